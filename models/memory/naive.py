@@ -1,0 +1,108 @@
+"""The definition of the memory rule: one user, one event at a time, plain PyTorch.
+
+This is the test oracle for every fast path and reads as SPEC section 3:
+
+    k~ = m * k, q~ = m * q                  (Proteus row mask, then optional L2 norm)
+    u  = k~ (k~^T S - v)^T                  (the surprise: gradient of 1/2 ||S^T k~ - v||^2)
+    M <- eta * M - theta * u                (momentum; eta = None: the gated delta rule)
+    S <- (1 - alpha * m) * S + M
+    y  = S^T q~                             (read after the write)
+
+Rows that the mask locks keep S and M exactly (bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.memory.proteus import proteus_row_mask
+
+L2_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension (an all-zero x stays zero)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def memory_step_reference(
+    S: torch.Tensor,
+    M: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    eta: torch.Tensor | None,
+    alpha: torch.Tensor,
+    t: int,
+    *,
+    n_blocks: int,
+    horizon: int,
+    qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Apply one event at lifetime position t (1-based) to one user's state, all heads.
+
+    S, M: [H, K, V]; q, k: [H, K]; v: [H, V]; theta, eta, alpha: [H].
+    eta None means no momentum (gated delta rule); M is then not used and returned as given.
+    Returns (S_new, M_new, y) with y: [H, V].
+    """
+    K = S.shape[-2]
+    m = proteus_row_mask(torch.tensor(t), K, n_blocks, horizon, dtype=S.dtype)  # [K]
+    kt, qt = m * k, m * q
+    if qk_l2norm:
+        kt, qt = l2norm(kt), l2norm(qt)
+    th, al = theta[:, None, None], alpha[:, None, None]
+    pred = torch.einsum("hk,hkv->hv", kt, S)
+    u = kt[:, :, None] * (pred - v)[:, None, :]
+    if eta is None:
+        step = -th * u
+        M_new = M
+    else:
+        step = eta[:, None, None] * M - th * u
+        M_new = step
+    S_new = (1 - al * m[None, :, None]) * S + step
+    open_row = m.bool()[None, :, None]
+    S_new = torch.where(open_row, S_new, S)
+    if M_new is not None and M is not None:
+        M_new = torch.where(open_row, M_new, M)
+    y = torch.einsum("hk,hkv->hv", qt, S_new)
+    return S_new, M_new, y
+
+
+def memory_scan_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    eta: torch.Tensor | None,
+    alpha: torch.Tensor,
+    S0: torch.Tensor,
+    M0: torch.Tensor | None,
+    pos0: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    n_blocks: int,
+    horizon: int,
+    qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Batch of users, right-padded, one event at a time: the signature every path shares.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; theta, eta, alpha: [B, T, H];
+    S0, M0: [B, H, K, V]; pos0: [B] events already applied; lengths: [B] new events.
+    Returns (y [B, T, H, V] with zeros at padding, S, M).
+    """
+    B, T = q.shape[:2]
+    y = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
+    S_out, M_out = S0.clone(), None if M0 is None else M0.clone()
+    for b in range(B):
+        S, M = S0[b].clone(), None if M0 is None else M0[b].clone()
+        for i in range(int(lengths[b])):
+            S, M, y[b, i] = memory_step_reference(
+                S, M, q[b, i], k[b, i], v[b, i], theta[b, i],
+                None if eta is None else eta[b, i], alpha[b, i],
+                int(pos0[b]) + i + 1, n_blocks=n_blocks, horizon=horizon, qk_l2norm=qk_l2norm,
+            )
+        S_out[b] = S
+        if M_out is not None and M is not None:
+            M_out[b] = M
+    return y, S_out, M_out

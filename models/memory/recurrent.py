@@ -1,0 +1,78 @@
+"""Vectorised recurrent path: many users with different positions and lengths, one time
+step per iteration, all users and heads at once. The CPU path for ingest and ranking.
+
+Same signature and semantics as ``naive.memory_scan_reference``. Padding events (index >=
+lengths[b]) get an all-zero Proteus mask, which makes them exact no-ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.memory.naive import l2norm
+from models.memory.proteus import proteus_row_mask
+
+
+def event_positions(pos0: torch.Tensor, lengths: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, T] lifetime positions of the new events; 0 marks padding."""
+    steps = torch.arange(T, device=pos0.device)
+    pos = pos0[:, None] + steps[None, :] + 1
+    return torch.where(steps[None, :] < lengths[:, None], pos, torch.zeros_like(pos))
+
+
+def masked_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    n_blocks: int,
+    horizon: int,
+    qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Apply the Proteus mask (then the optional L2 norm) to q, k: [B, T, H, K].
+
+    Returns (q~, k~, m) with m: [B, T, K].
+    """
+    m = proteus_row_mask(positions, q.shape[-1], n_blocks, horizon, dtype=q.dtype)
+    qt, kt = q * m[:, :, None, :], k * m[:, :, None, :]
+    if qk_l2norm:
+        qt, kt = l2norm(qt), l2norm(kt)
+    return qt, kt, m
+
+
+def memory_scan_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    eta: torch.Tensor | None,
+    alpha: torch.Tensor,
+    S0: torch.Tensor,
+    M0: torch.Tensor | None,
+    pos0: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    n_blocks: int,
+    horizon: int,
+    qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    T = q.shape[1]
+    positions = event_positions(pos0, lengths, T)
+    qt, kt, m = masked_qk(q, k, positions, n_blocks, horizon, qk_l2norm)
+    S, M = S0, M0
+    ys = []
+    for i in range(T):
+        open_row = m[:, i, None, :, None] > 0  # [B, 1, K, 1]
+        ki = kt[:, i]
+        pred = torch.einsum("bhk,bhkv->bhv", ki, S)
+        u = ki[..., None] * (pred - v[:, i])[:, :, None, :]
+        th = theta[:, i, :, None, None]
+        if eta is None or M is None:
+            step = -th * u
+        else:
+            step = eta[:, i, :, None, None] * M - th * u
+            M = torch.where(open_row, step, M)
+        S_next = (1 - alpha[:, i, :, None, None] * m[:, i, None, :, None]) * S + step
+        S = torch.where(open_row, S_next, S)
+        ys.append(torch.einsum("bhk,bhkv->bhv", qt[:, i], S))
+    y = torch.stack(ys, dim=1) if ys else v.new_zeros(v.shape)
+    return y, S, M

@@ -1,0 +1,1 @@
+"""Offline evaluation: strict global time split, metrics, strata, baselines, reports."""

