@@ -30,19 +30,22 @@ def _cmd_config(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def _cmd_train(args: argparse.Namespace, cfg: Config) -> int:
-    from recmem.training import run_train
+    from offline_eval.training import run_train
 
     if args.dataset:
         cfg.data.dataset = args.dataset
     metrics = run_train(cfg, Path(args.out))
     best = metrics.get("best_valid", {})
-    print(f"trained on {cfg.data.dataset}: VALID " + ", ".join(f"{k}={v:.4f}" for k, v in best.items() if isinstance(v, float)))
+    print(
+        f"trained on {cfg.data.dataset}: VALID "
+        + ", ".join(f"{k}={v:.4f}" for k, v in best.items() if isinstance(v, float))
+    )
     print(f"checkpoint and metrics.json in {args.out}")
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
-    from recmem.training import run_train
+    from offline_eval.training import run_train
 
     out = Path(args.out)
     metrics = run_train(cfg, out)
@@ -70,16 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--config", help="TOML configuration file")
         p.add_argument(
-            "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+            "--set",
+            action="append",
+            default=[],
+            metavar="SECTION.FIELD=VALUE",
             help="override one configuration field (repeatable)",
         )
         if name == "config":
             p.add_argument("--docs", action="store_true", help="list every field with its meaning")
         if name == "train":
-            p.add_argument("--dataset", help="ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH")
-            p.add_argument("--out", required=True, help="output directory for checkpoint and metrics.json")
+            p.add_argument(
+                "--dataset", help="ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH"
+            )
+            p.add_argument(
+                "--out", required=True, help="output directory for checkpoint and metrics.json"
+            )
         if name == "demo":
-            p.add_argument("--out", default="runs/demo-model", help="where the demo model is written")
+            p.add_argument(
+                "--out", default="runs/demo-model", help="where the demo model is written"
+            )
     return parser
 
 

@@ -379,7 +379,10 @@ def validate(cfg: Config) -> None:
             f"memory.backend {m.backend!r} is not one of auto|reference|recurrent|chunk|triton|fla",
         ),
         (m.chunk_size >= 1, "memory.chunk_size must be >= 1"),
-        (0.0 < cfg.data.valid_frac < cfg.data.test_frac < 1.0, "need 0 < valid_frac < test_frac < 1"),
+        (
+            0.0 < cfg.data.valid_frac < cfg.data.test_frac < 1.0,
+            "need 0 < valid_frac < test_frac < 1",
+        ),
         (cfg.train.loss in ("full", "sampled"), "train.loss must be full or sampled"),
         (cfg.eval.exclude_seen in ("auto", "yes", "no"), "eval.exclude_seen must be auto|yes|no"),
         (cfg.state.device_capacity >= 1, "state.device_capacity must be >= 1"),
@@ -414,7 +417,10 @@ def field_docs() -> dict[str, str]:
 
     docs: dict[str, str] = {}
     tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["x"])))
-    section_of = {f.type if isinstance(f.type, str) else f.type.__name__: f.name for f in dataclasses.fields(Config)}
+    section_of = {
+        f.type if isinstance(f.type, str) else f.type.__name__: f.name
+        for f in dataclasses.fields(Config)
+    }
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name in section_of:
             body = node.body
@@ -425,5 +431,7 @@ def field_docs() -> dict[str, str]:
                     and isinstance(b, ast.Expr)
                     and isinstance(b.value, ast.Constant)
                 ):
-                    docs[f"{section_of[node.name]}.{a.target.id}"] = " ".join(str(b.value.value).split())
+                    docs[f"{section_of[node.name]}.{a.target.id}"] = " ".join(
+                        str(b.value.value).split()
+                    )
     return docs

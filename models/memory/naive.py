@@ -54,7 +54,7 @@ def memory_step_reference(
     th, al = theta[:, None, None], alpha[:, None, None]
     pred = torch.einsum("hk,hkv->hv", kt, S)
     u = kt[:, :, None] * (pred - v)[:, None, :]
-    if eta is None:
+    if eta is None or M is None:
         step = -th * u
         M_new = M
     else:
@@ -98,9 +98,18 @@ def memory_scan_reference(
         S, M = S0[b].clone(), None if M0 is None else M0[b].clone()
         for i in range(int(lengths[b])):
             S, M, y[b, i] = memory_step_reference(
-                S, M, q[b, i], k[b, i], v[b, i], theta[b, i],
-                None if eta is None else eta[b, i], alpha[b, i],
-                int(pos0[b]) + i + 1, n_blocks=n_blocks, horizon=horizon, qk_l2norm=qk_l2norm,
+                S,
+                M,
+                q[b, i],
+                k[b, i],
+                v[b, i],
+                theta[b, i],
+                None if eta is None else eta[b, i],
+                alpha[b, i],
+                int(pos0[b]) + i + 1,
+                n_blocks=n_blocks,
+                horizon=horizon,
+                qk_l2norm=qk_l2norm,
             )
         S_out[b] = S
         if M_out is not None and M is not None:

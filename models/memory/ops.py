@@ -36,5 +36,7 @@ def memory_scan(*args: Any, backend: str = "auto", training: bool = False, **kwa
     q = args[0] if args else kwargs["q"]
     name = resolve_backend(backend, q.device, training)
     if name not in BACKENDS:
-        raise ValueError(f"memory backend {name!r} is not available here (have: {sorted(BACKENDS)})")
+        raise ValueError(
+            f"memory backend {name!r} is not available here (have: {sorted(BACKENDS)})"
+        )
     return BACKENDS[name](*args, **kwargs)
