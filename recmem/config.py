@@ -164,10 +164,11 @@ class KafkaConfig:
     """Consumer group session timeout."""
     heartbeat_interval_ms: int = 1_000
     """Consumer group heartbeat interval."""
-    max_past_ms: int = 20 * 365 * 24 * 3600 * 1000
-    """Events older than now minus this go to the dead-letter topic."""
+    max_past_ms: int = 60 * 365 * 24 * 3600 * 1000
+    """Events older than now minus this go to the dead-letter topic (60 years by default, so
+    that historical datasets such as MovieLens replay; 0 disables the check)."""
     max_future_ms: int = 24 * 3600 * 1000
-    """Events later than now plus this go to the dead-letter topic."""
+    """Events later than now plus this go to the dead-letter topic (0 disables the check)."""
     max_field_bytes: int = 256
     """Longest user/item/session id accepted."""
 
