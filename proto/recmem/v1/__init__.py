@@ -1,0 +1,1 @@
+"""Generated protobuf code for the recmem.v1 wire format (see scripts/gen_proto.sh)."""

@@ -1,0 +1,53 @@
+"""The interface between the consumer and whatever applies the events (the engine's ingest
+adapter). The consumer owns Kafka; the sink owns state and its checkpoint, which holds the
+offsets of the events it applied (state and offsets move together, one unit).
+
+Call order, all on the consumer's thread:
+
+- ``on_assigned(partitions)`` after each group rebalance, before any batch of those
+  partitions: the sink loads its checkpoint for them and returns, per partition, the next
+  offset to read; the consumer seeks there (partitions left out start from the group's
+  committed offset, else the earliest).
+- ``apply_batch(events, next_offsets)`` for each micro-batch: ``events`` in partition order,
+  each partition's events in offset order; ``next_offsets`` has, for every partition that
+  had records in the batch, the offset after its last record (dead letters included), so a
+  batch made only of dead letters still advances the offsets. When this returns the sink
+  owns the batch: a later checkpoint must include both its effects and these offsets.
+- ``checkpoint_due()`` after each poll; when true, ``checkpoint()`` persists state and
+  offsets atomically and returns the offsets it wrote; the consumer then commits them to the
+  group (for monitoring and as the fallback start; the sink's checkpoint is the truth).
+- ``on_revoked(partitions)`` before a rebalance takes partitions away and when the consumer
+  closes: the sink writes its checkpoint for them and drops them.
+
+Dead letters of a batch are flushed to the dead-letter topic before ``apply_batch``, so a
+crash after a checkpoint can never lose a bad record.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from streams.validate import ValidEvent
+
+
+class BatchSink(Protocol):
+    def on_assigned(self, partitions: list[int]) -> dict[int, int]:
+        """Partition -> next offset to read, from the sink's checkpoint (missing = committed
+        offset, else earliest)."""
+        ...
+
+    def on_revoked(self, partitions: list[int]) -> None:
+        """Checkpoint these partitions and drop them."""
+        ...
+
+    def apply_batch(self, events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
+        """Apply one micro-batch; ``next_offsets`` per partition, after the batch."""
+        ...
+
+    def checkpoint_due(self) -> bool:
+        """Whether the consumer should call :meth:`checkpoint` now."""
+        ...
+
+    def checkpoint(self) -> dict[int, int]:
+        """Persist state and offsets as one unit; return the offsets written."""
+        ...

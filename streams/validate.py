@@ -1,0 +1,147 @@
+"""Validation of consumed records: each becomes a ValidEvent or a DeadLetter, never an error.
+
+Rules (SPEC section 2, issue 4), checked in this order; the first failure is the reason:
+
+- ``empty_value``: the record has no value (a tombstone);
+- ``undecodable``: the value is not a ``recmem.v1.Event`` (bad bytes, invalid UTF-8 in a
+  string field);
+- ``missing_user`` / ``missing_item`` / ``missing_ts``: an empty id, or ``ts_ms`` unset (0)
+  or negative;
+- ``field_too_long``: user, item or session id longer than ``max_field_bytes`` (UTF-8);
+- ``key_mismatch``: the Kafka key is not the user id in UTF-8. The key decides the partition
+  and the partition decides which consumer owns the user's state, so an event keyed otherwise
+  (or not keyed) could be applied out of order or by two owners: it is rejected, not repaired;
+- ``bad_action``: an Action enum value this version does not know;
+- ``bad_value``: ``value`` is NaN or infinite;
+- ``ts_too_old`` / ``ts_too_new``: ``ts_ms`` before ``now - max_past_ms`` or after
+  ``now + max_future_ms`` (0 disables either bound).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from recmem.config import KafkaConfig
+from streams.codec import action_from_wire, decode_event
+
+REASONS: tuple[str, ...] = (
+    "empty_value",
+    "undecodable",
+    "missing_user",
+    "missing_item",
+    "missing_ts",
+    "field_too_long",
+    "key_mismatch",
+    "bad_action",
+    "bad_value",
+    "ts_too_old",
+    "ts_too_new",
+)
+"""Every dead-letter reason code."""
+
+
+@dataclass(frozen=True, slots=True)
+class ValidEvent:
+    """A validated event and where it came from. ``action`` indexes models.sequences.ACTIONS."""
+
+    user_id: str
+    item_id: str
+    ts_ms: int
+    action: int
+    value: float
+    session_id: str | None
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A rejected record: why (a code from REASONS and a message) and the original bytes."""
+
+    reason: str
+    message: str
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The configured bounds a record must respect."""
+
+    max_past_ms: int = 0
+    max_future_ms: int = 0
+    max_field_bytes: int = 256
+
+    @classmethod
+    def from_config(cls, cfg: KafkaConfig) -> Limits:
+        return cls(cfg.max_past_ms, cfg.max_future_ms, cfg.max_field_bytes)
+
+
+def validate_record(
+    topic: str,
+    partition: int,
+    offset: int,
+    key: bytes | None,
+    value: bytes | None,
+    now_ms: int,
+    limits: Limits,
+) -> ValidEvent | DeadLetter:
+    """Decode and check one record. Never raises on bad input."""
+
+    def dead(reason: str, message: str) -> DeadLetter:
+        return DeadLetter(reason, message, topic, partition, offset, key, value)
+
+    if value is None:
+        return dead("empty_value", "record has no value")
+    try:
+        event = decode_event(value)
+    except (DecodeError, ValueError, TypeError) as e:
+        return dead("undecodable", f"not a recmem.v1.Event: {e}")
+    if not event.user_id:
+        return dead("missing_user", "user_id is empty")
+    if not event.item_id:
+        return dead("missing_item", "item_id is empty")
+    if event.ts_ms <= 0:
+        return dead("missing_ts", f"ts_ms is unset or negative ({event.ts_ms})")
+    session_id = event.session_id if event.HasField("session_id") else None
+    for name, text in (("user_id", event.user_id), ("item_id", event.item_id)) + (
+        (("session_id", session_id),) if session_id is not None else ()
+    ):
+        size = len(text.encode())
+        if size > limits.max_field_bytes:
+            return dead(
+                "field_too_long", f"{name} is {size} bytes (limit {limits.max_field_bytes})"
+            )
+    user_bytes = event.user_id.encode()
+    if key != user_bytes:
+        shown = "no key" if key is None else f"key {key[:64]!r}"
+        return dead("key_mismatch", f"{shown} is not the user id {user_bytes[:64]!r}")
+    action = action_from_wire(event.action)
+    if action is None:
+        return dead("bad_action", f"unknown action enum value {event.action}")
+    if not math.isfinite(event.value):
+        return dead("bad_value", f"value is {event.value}")
+    if limits.max_past_ms > 0 and event.ts_ms < now_ms - limits.max_past_ms:
+        return dead(
+            "ts_too_old", f"ts_ms {event.ts_ms} is more than {limits.max_past_ms} ms before now"
+        )
+    if limits.max_future_ms > 0 and event.ts_ms > now_ms + limits.max_future_ms:
+        return dead(
+            "ts_too_new", f"ts_ms {event.ts_ms} is more than {limits.max_future_ms} ms after now"
+        )
+    return ValidEvent(
+        user_id=event.user_id,
+        item_id=event.item_id,
+        ts_ms=int(event.ts_ms),
+        action=action,
+        value=float(event.value),
+        session_id=session_id,
+        partition=partition,
+        offset=offset,
+    )

@@ -1,0 +1,57 @@
+"""Shared fixtures. The Kafka fixtures run a real tansu broker on 127.0.0.1 (one per test
+session, in-memory storage); each test gets its own topics and group, so tests never see
+each other's records."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from recmem.config import KafkaConfig
+from streams.admin import ensure_topics
+from streams.broker import EmbeddedBroker
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
+    """A tansu broker on a free loopback port for the whole test session."""
+    log_path = tmp_path_factory.mktemp("tansu") / "broker.log"
+    with EmbeddedBroker(log_path=log_path) as broker:
+        yield broker
+
+
+KafkaConfigFactory = Callable[..., KafkaConfig]
+
+
+@pytest.fixture
+def kafka_config(kafka_broker: EmbeddedBroker) -> KafkaConfigFactory:
+    """Factory: ``kafka_config(partitions=4, **overrides)`` -> a KafkaConfig on the session
+    broker with a fresh input topic (created with ``partitions``), dead-letter topic and
+    group, fast group timeouts (tansu makes a join wait half the session timeout), no time
+    window and the metrics endpoint off."""
+
+    def make(partitions: int = 4, **overrides: object) -> KafkaConfig:
+        tag = uuid.uuid4().hex[:10]
+        cfg = KafkaConfig(
+            bootstrap_servers=kafka_broker.bootstrap,
+            topic=f"events-{tag}",
+            dead_letter_topic=f"events-{tag}.dlq",
+            group_id=f"group-{tag}",
+            session_timeout_ms=3000,
+            heartbeat_interval_ms=500,
+            max_wait_ms=100,
+            max_past_ms=0,
+            max_future_ms=0,
+            partitions=partitions,
+            metrics_port=0,
+        )
+        for key, value in overrides.items():
+            if not hasattr(cfg, key):
+                raise AttributeError(f"KafkaConfig has no field {key!r}")
+            setattr(cfg, key, value)
+        ensure_topics(cfg, {cfg.topic: partitions, cfg.dead_letter_topic: 1})
+        return cfg
+
+    return make

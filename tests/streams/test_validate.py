@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proto.recmem.v1 import event_pb2
+from streams.codec import encode_event, make_event
+from streams.validate import REASONS, DeadLetter, Limits, ValidEvent, validate_record
+
+NOW = 1_700_000_000_000
+LIMITS = Limits(max_past_ms=86_400_000, max_future_ms=60_000, max_field_bytes=32)
+
+
+def check(key, value, limits=LIMITS):
+    return validate_record("events", 3, 17, key, value, NOW, limits)
+
+
+def test_valid_event_carries_its_source():
+    key, value = encode_event(make_event("u", "i", NOW, "cart", 2.0, "s1"))
+    out = check(key, value)
+    assert out == ValidEvent("u", "i", NOW, 2, 2.0, "s1", 3, 17)
+
+
+def raw(**fields):
+    return event_pb2.Event(**fields).SerializeToString()
+
+
+GOOD = {"user_id": "u", "item_id": "i", "ts_ms": NOW}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [
+        (b"u", None, "empty_value"),
+        (b"u", b"\xff\xff\xff\xff", "undecodable"),
+        (b"u", b"\x0a\x02\xc3\x28\x12\x01i\x18\x01", "undecodable"),  # invalid UTF-8 user_id
+        (b"", raw(item_id="i", ts_ms=NOW), "missing_user"),
+        (b"u", raw(user_id="u", ts_ms=NOW), "missing_item"),
+        (b"u", raw(user_id="u", item_id="i"), "missing_ts"),
+        (b"u", raw(**{**GOOD, "ts_ms": -5}), "missing_ts"),
+        (b"u", raw(**{**GOOD, "item_id": "x" * 33}), "field_too_long"),
+        (b"u", raw(**{**GOOD, "session_id": "é" * 17}), "field_too_long"),
+        (b"v", raw(**GOOD), "key_mismatch"),
+        (None, raw(**GOOD), "key_mismatch"),
+        (b"u", raw(**GOOD, action=9), "bad_action"),  # type: ignore[arg-type]
+        (b"u", raw(**GOOD, value=math.nan), "bad_value"),
+        (b"u", raw(**{**GOOD, "ts_ms": NOW - 86_400_001}), "ts_too_old"),
+        (b"u", raw(**{**GOOD, "ts_ms": NOW + 60_001}), "ts_too_new"),
+    ],
+)
+def test_each_rule_names_its_reason(key, value, reason):
+    out = check(key, value)
+    assert isinstance(out, DeadLetter)
+    assert out.reason == reason and out.reason in REASONS
+    assert (out.topic, out.partition, out.offset, out.key, out.value) == (
+        "events",
+        3,
+        17,
+        key,
+        value,
+    )
+    assert out.message
+
+
+def test_zero_disables_the_time_window():
+    limits = Limits(max_past_ms=0, max_future_ms=0)
+    for ts in (1, NOW * 100):
+        assert isinstance(check(b"u", raw(**{**GOOD, "ts_ms": ts}), limits), ValidEvent)
+
+
+@given(key=st.none() | st.binary(max_size=64), value=st.none() | st.binary(max_size=256))
+def test_never_raises_on_arbitrary_bytes(key, value):
+    assert isinstance(check(key, value), ValidEvent | DeadLetter)
