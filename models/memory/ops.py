@@ -3,40 +3,82 @@
 Every backend has the signature of ``naive.memory_scan_reference``:
 (q, k, v, theta, eta, alpha, S0, M0, pos0, lengths, *, n_blocks, horizon, qk_l2norm)
 -> (y, S, M). ``eta=None`` selects the gated delta rule (no momentum).
+
+Backends: ``reference`` (the definition), ``recurrent`` (vectorised, one step per event),
+``chunk`` (exact chunked form for training, takes ``chunk_size``), ``triton`` (our fused
+CUDA kernel, forward only), and on CUDA machines with flash-linear-attention ``fla_chunk``
+and ``fla_recurrent`` (gated delta rule only; ``fla`` is an alias of ``fla_chunk``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from models.memory.chunk import DEFAULT_CHUNK_SIZE, memory_scan_chunk
 from models.memory.naive import memory_scan_reference
 from models.memory.recurrent import memory_scan_recurrent
+from models.memory.triton_momentum import memory_scan_triton
+
+log = logging.getLogger(__name__)
 
 ScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 BACKENDS: dict[str, ScanFn] = {
     "reference": memory_scan_reference,
     "recurrent": memory_scan_recurrent,
+    "chunk": memory_scan_chunk,
+    "triton": memory_scan_triton,
 }
+ALIASES = {"fla": "fla_chunk"}
+
+
+def _register_fla() -> None:
+    """fla's kernels need CUDA; register them only where they can run."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        from models.memory.fla_gated import memory_scan_fla_chunk, memory_scan_fla_recurrent
+    except ImportError as exc:  # fla not installed on this machine
+        log.info("flash-linear-attention backends unavailable: %s", exc)
+        return
+    BACKENDS["fla_chunk"] = memory_scan_fla_chunk
+    BACKENDS["fla_recurrent"] = memory_scan_fla_recurrent
+
+
+_register_fla()
 
 
 def resolve_backend(name: str, device: torch.device, training: bool) -> str:
-    """The backend ``auto`` stands for on this device; other names pass through."""
+    """The backend ``auto`` stands for on this device; aliases resolve, other names pass.
+
+    Training needs gradients: the chunked form everywhere. Inference: our Triton kernel on
+    CUDA (both variants), the vectorised recurrent path on CPU.
+    """
     if name != "auto":
-        return name
-    if device.type == "cuda":
-        return "chunk" if training and "chunk" in BACKENDS else "recurrent"
-    return "chunk" if training and "chunk" in BACKENDS else "recurrent"
+        return ALIASES.get(name, name)
+    if training:
+        return "chunk"
+    return "triton" if device.type == "cuda" else "recurrent"
 
 
-def memory_scan(*args: Any, backend: str = "auto", training: bool = False, **kwargs: Any):
+def memory_scan(
+    *args: Any,
+    backend: str = "auto",
+    training: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Run the scan on the backend ``backend`` resolves to; ``chunk_size`` goes to ``chunk``."""
     q = args[0] if args else kwargs["q"]
     name = resolve_backend(backend, q.device, training)
     if name not in BACKENDS:
         raise ValueError(
             f"memory backend {name!r} is not available here (have: {sorted(BACKENDS)})"
         )
+    if name == "chunk":
+        kwargs["chunk_size"] = chunk_size
     return BACKENDS[name](*args, **kwargs)
