@@ -1,0 +1,287 @@
+"""Checkpoints: the states of one Kafka partition's users, their archive notes and the next
+offset of that partition, written as one unit (like a Kafka Streams task's state store,
+changelog and input offsets).
+
+Layout under the checkpoint root, one directory per partition::
+
+    p-00003/MANIFEST.json        names the complete checkpoints, newest first
+    p-00003/ckpt-000000000042/   meta.json, users.json, state.*.bin, notes.*.npy
+    p-00003/.tmp-...             a checkpoint being written (never read)
+
+A checkpoint is written into a temporary directory, every file and the directory are
+fsynced, the directory is renamed into place, and then the manifest is replaced atomically.
+A crash at any point leaves the previous manifest naming only complete checkpoints. Every
+file carries a CRC32 in meta.json; a checkpoint that fails its checks is skipped with a
+warning and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from models.state import MemoryState
+from recmem.state_store import StateLayout, state_from_numpy, state_to_numpy
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "MANIFEST.json"
+_NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, corrupted or incompatible with this service."""
+
+
+@dataclass
+class PartitionCheckpoint:
+    """What one checkpoint restores: users, their states (host memory), notes, offset."""
+
+    partition: int
+    next_offset: int
+    user_ids: list[str]
+    state: MemoryState
+    notes: dict[str, np.ndarray] | None
+    model_version: str
+    config_hash: str
+    seq: int
+    path: Path
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes | memoryview) -> dict[str, int]:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {
+        "bytes": len(data) if isinstance(data, bytes) else data.nbytes,
+        "crc32": zlib.crc32(data),
+    }
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+class CheckpointStore:
+    """Writes and restores per-partition checkpoints under ``root``; keeps the newest ``keep``."""
+
+    def __init__(self, root: str | os.PathLike[str], layout: StateLayout, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError("checkpoint.keep must be >= 1")
+        self.root = Path(root)
+        self.layout = layout
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _pdir(self, partition: int) -> Path:
+        return self.root / f"p-{partition:05d}"
+
+    # ---- manifest ----------------------------------------------------------------------
+
+    def _manifest(self, partition: int) -> list[str]:
+        path = self._pdir(partition) / MANIFEST
+        if not path.exists():
+            return []
+        try:
+            names = json.loads(path.read_text())["checkpoints"]
+            if not all(isinstance(n, str) and _NAME_OK.match(n) for n in names):
+                raise ValueError("bad checkpoint name")
+            return list(names)
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning(
+                "partition %d: unreadable manifest (%s); scanning directories", partition, e
+            )
+            return sorted((d.name for d in self._pdir(partition).glob("ckpt-*")), reverse=True)
+
+    def _write_manifest(self, partition: int, names: list[str]) -> None:
+        pdir = self._pdir(partition)
+        tmp = pdir / f".{MANIFEST}.{os.getpid()}.tmp"
+        body = json.dumps({"partition": partition, "checkpoints": names}, indent=1).encode()
+        _write_file(tmp, body)
+        os.replace(tmp, pdir / MANIFEST)
+        _fsync_dir(pdir)
+
+    def partitions(self) -> list[int]:
+        """Partitions that have a manifest."""
+        out = []
+        for d in self.root.glob("p-*"):
+            if (d / MANIFEST).exists():
+                out.append(int(d.name[2:]))
+        return sorted(out)
+
+    # ---- write -------------------------------------------------------------------------
+
+    def write(
+        self,
+        partition: int,
+        user_ids: list[str],
+        state: MemoryState,
+        next_offset: int,
+        *,
+        model_version: str,
+        config_hash: str,
+        notes: dict[str, np.ndarray] | None = None,
+    ) -> Path:
+        """Write one complete checkpoint of ``partition`` and make it the newest."""
+        if int(state.pos.shape[0]) != len(user_ids):
+            raise ValueError(f"{len(user_ids)} user ids but {state.pos.shape[0]} states")
+        pdir = self._pdir(partition)
+        pdir.mkdir(parents=True, exist_ok=True)
+        names = self._manifest(partition)
+        existing = [int(n.split("-")[1]) for n in names]
+        existing += [int(d.name.split("-")[1]) for d in pdir.glob("ckpt-*")]
+        seq = max(existing, default=0) + 1
+        final = pdir / f"ckpt-{seq:012d}"
+        tmp = pdir / f".tmp-ckpt-{seq:012d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        files: dict[str, dict[str, int]] = {}
+        files["users.json"] = _write_file(tmp / "users.json", json.dumps(user_ids).encode())
+        for name, arr in state_to_numpy(state).items():
+            files[f"state.{name}.bin"] = _write_file(tmp / f"state.{name}.bin", arr.data)
+        for name, arr in (notes or {}).items():
+            if not _NAME_OK.match(name):
+                raise ValueError(f"note array name {name!r} is not a safe file name")
+            files[f"notes.{name}.npy"] = _write_file(tmp / f"notes.{name}.npy", _npy_bytes(arr))
+        meta = {
+            "format": FORMAT_VERSION,
+            "partition": partition,
+            "seq": seq,
+            "next_offset": int(next_offset),
+            "n_users": len(user_ids),
+            "model_version": model_version,
+            "config_hash": config_hash,
+            "layout": {
+                "n_layers": self.layout.n_layers,
+                "n_heads": self.layout.n_heads,
+                "key_dim": self.layout.key_dim,
+                "value_dim": self.layout.value_dim,
+                "momentum": self.layout.momentum,
+                "embed_dim": self.layout.embed_dim,
+                "dtype": str(self.layout.dtype),
+            },
+            "has_notes": notes is not None,
+            "created_unix": time.time(),
+            "files": files,
+        }
+        _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(pdir)
+        keep = [final.name] + [n for n in names if n != final.name][: self.keep - 1]
+        self._write_manifest(partition, keep)
+        # older checkpoints, and leftovers of writes that crashed (this process owns p now)
+        for d in pdir.iterdir():
+            if d.is_dir() and d.name not in keep:
+                shutil.rmtree(d, ignore_errors=True)
+        log.debug(
+            "partition %d: checkpoint %s, %d users, offset %d",
+            partition,
+            final.name,
+            len(user_ids),
+            next_offset,
+        )
+        return final
+
+    # ---- read --------------------------------------------------------------------------
+
+    def latest_offset(self, partition: int) -> int | None:
+        """The next offset of the newest checkpoint the manifest names (meta only, no verify)."""
+        for name in self._manifest(partition):
+            try:
+                meta = json.loads((self._pdir(partition) / name / "meta.json").read_text())
+                return int(meta["next_offset"])
+            except (OSError, ValueError, KeyError):
+                continue
+        return None
+
+    def restore(
+        self, partition: int, *, config_hash: str | None = None
+    ) -> PartitionCheckpoint | None:
+        """The newest checkpoint of ``partition`` that passes its checks, or None if there is
+        none. Corrupted ones are skipped with a warning. A checkpoint written under another
+        config hash raises :class:`CheckpointError` (its states mean something else)."""
+        for name in self._manifest(partition):
+            path = self._pdir(partition) / name
+            try:
+                ckpt = self._load(partition, path)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning(
+                    "partition %d: checkpoint %s is unusable (%s); trying the previous one",
+                    partition,
+                    name,
+                    e,
+                )
+                continue
+            if config_hash is not None and ckpt.config_hash != config_hash:
+                raise CheckpointError(
+                    f"partition {partition}: checkpoint {path} was written with config hash "
+                    f"{ckpt.config_hash}, this service has {config_hash}; move it away to start"
+                    " fresh"
+                )
+            return ckpt
+        return None
+
+    def _load(self, partition: int, path: Path) -> PartitionCheckpoint:
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("format") != FORMAT_VERSION:
+            raise CheckpointError(f"unknown checkpoint format {meta.get('format')!r}")
+        if int(meta["partition"]) != partition:
+            raise CheckpointError(f"belongs to partition {meta['partition']}")
+        blobs: dict[str, bytes] = {}
+        for fname, info in meta["files"].items():
+            if not _NAME_OK.match(fname):
+                raise CheckpointError(f"bad file name {fname!r}")
+            data = (path / fname).read_bytes()
+            if len(data) != info["bytes"] or zlib.crc32(data) != info["crc32"]:
+                raise CheckpointError(f"{fname} fails its size/CRC32 check")
+            blobs[fname] = data
+        user_ids = json.loads(blobs["users.json"])
+        arrays = {
+            f[len("state.") : -len(".bin")]: np.frombuffer(d, dtype=np.uint8)
+            for f, d in blobs.items()
+            if f.startswith("state.")
+        }
+        state = state_from_numpy(arrays, self.layout)
+        if int(state.pos.shape[0]) != len(user_ids):
+            raise CheckpointError(f"{len(user_ids)} users but {state.pos.shape[0]} states")
+        notes = None
+        if meta.get("has_notes"):
+            notes = {
+                f[len("notes.") : -len(".npy")]: np.load(io.BytesIO(d), allow_pickle=False)
+                for f, d in blobs.items()
+                if f.startswith("notes.")
+            }
+        return PartitionCheckpoint(
+            partition=partition,
+            next_offset=int(meta["next_offset"]),
+            user_ids=list(user_ids),
+            state=state,
+            notes=notes,
+            model_version=str(meta["model_version"]),
+            config_hash=str(meta["config_hash"]),
+            seq=int(meta["seq"]),
+            path=path,
+        )

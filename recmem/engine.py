@@ -1,0 +1,260 @@
+"""The engine step: one micro-batch of validated events -> one batched memory update.
+
+``Engine.apply`` groups the batch by user (each user's events keep their order), encodes
+items with the vocabulary, builds one right-padded [B, T] batch for all users of the
+micro-batch, gathers their states from the store, runs ONE ``model.advance`` (no autograd,
+on the store's device) and scatters the new states back. It also records which Kafka
+partition each user belongs to, because a checkpoint is per partition.
+
+The ingest service (recmem/ingest.py) and the rank path feed this same engine; ``snapshot``
+gives the rank path copies of states, never the live tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from models.recommender import MemoryRecommender
+from models.state import MemoryState
+from recmem.config import Config
+from recmem.state_store import UserStateStore
+from recmem.vocab import ItemVocab
+from streams.validate import ValidEvent
+
+log = logging.getLogger(__name__)
+
+
+class ArchiveHook(Protocol):
+    """The seam for the NoteBank archive (recmem/archive): called once per engine step.
+
+    ``user_ids`` [B]; ``items``/``actions``/``ts_ms`` [B, T] and ``lengths`` [B] as given to
+    ``advance`` (host numpy, vocab-encoded items, right-padded); ``kq`` = (k~, q~), each
+    [B, T, L, H, K] on the engine's device; ``positions`` [B] each user's lifetime position
+    before this step (event j of user b is at position positions[b] + j + 1)."""
+
+    def observe(
+        self,
+        user_ids: list[str],
+        items: np.ndarray,
+        actions: np.ndarray,
+        ts_ms: np.ndarray,
+        lengths: np.ndarray,
+        kq: tuple[torch.Tensor, torch.Tensor],
+        positions: np.ndarray,
+    ) -> None: ...
+
+
+@dataclass
+class ApplyCounts:
+    """What one ``apply`` did."""
+
+    events: int = 0
+    users: int = 0
+    new_users: int = 0
+    max_len: int = 0
+    """T: the longest run of one user's events in the batch (the padded width)."""
+
+
+@dataclass
+class GroupedBatch:
+    """A micro-batch grouped by user: right-padded [B, T] arrays and lengths [B]."""
+
+    user_ids: list[str]
+    partitions: list[int]
+    items: np.ndarray
+    actions: np.ndarray
+    ts_ms: np.ndarray
+    lengths: np.ndarray
+
+
+def group_events(events: Sequence[ValidEvent], vocab: ItemVocab) -> GroupedBatch:
+    """Group by user in first-appearance order, each user's events in batch order."""
+    code_of: dict[str, int] = {}
+    codes = np.fromiter(
+        (code_of.setdefault(e.user_id, len(code_of)) for e in events),
+        dtype=np.int64,
+        count=len(events),
+    )
+    n_users = len(code_of)
+    lengths = np.bincount(codes, minlength=n_users).astype(np.int64)
+    order = np.argsort(codes, kind="stable")
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    col = np.empty(len(events), dtype=np.int64)
+    col[order] = np.arange(len(events)) - np.repeat(starts, lengths)
+    T = int(lengths.max()) if n_users else 0
+    items = np.zeros((n_users, T), dtype=np.int64)
+    actions = np.zeros((n_users, T), dtype=np.int64)
+    ts = np.zeros((n_users, T), dtype=np.int64)
+    items[codes, col] = vocab.encode(e.item_id for e in events)
+    actions[codes, col] = np.fromiter((e.action for e in events), np.int64, len(events))
+    ts[codes, col] = np.fromiter((e.ts_ms for e in events), np.int64, len(events))
+    partitions = [0] * n_users
+    for e in events:
+        partitions[code_of[e.user_id]] = e.partition
+    return GroupedBatch(list(code_of), partitions, items, actions, ts, lengths)
+
+
+def config_hash(cfg: Config) -> str:
+    """Digest of the settings that define what a stored state means (memory and model
+    sections): states written under another hash cannot be continued."""
+    body = json.dumps(
+        {"memory": cfg.to_dict()["memory"], "model": cfg.to_dict()["model"]}, sort_keys=True
+    )
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+class Engine:
+    """Per-user memories: the state store, the model's batched update and the archive."""
+
+    def __init__(
+        self,
+        model: MemoryRecommender,
+        vocab: ItemVocab,
+        store: UserStateStore,
+        cfg: Config,
+        archive: ArchiveHook | None = None,
+        model_version: str = "unversioned",
+    ) -> None:
+        self.model = model.to(store.device).eval()
+        self.vocab = vocab
+        self.store = store
+        self.cfg = cfg
+        self.archive = archive
+        self.model_version = model_version
+        self.config_hash = config_hash(cfg)
+        self.partition_of: dict[str, int] = {}
+        self._users_of: dict[int, set[str]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.store.device
+
+    # ---- ingest ------------------------------------------------------------------------
+
+    def apply(self, events: Sequence[ValidEvent]) -> ApplyCounts:
+        """Apply one micro-batch; every user's position advances by its number of events."""
+        if not events:
+            return ApplyCounts()
+        batch = group_events(events, self.vocab)
+        counts = ApplyCounts(
+            events=len(events), users=len(batch.user_ids), max_len=int(batch.lengths.max())
+        )
+        counts.new_users = sum(1 for u in batch.user_ids if u not in self.store)
+        cap = self.store.capacity
+        # a micro-batch with more users than slab slots runs in slab-sized chunks
+        for start in range(0, len(batch.user_ids), cap):
+            self._advance(batch, slice(start, start + cap))
+        for user, part in zip(batch.user_ids, batch.partitions):
+            self._record(user, part)
+        return counts
+
+    @torch.no_grad()
+    def _advance(self, batch: GroupedBatch, rows: slice) -> None:
+        users = batch.user_ids[rows]
+        lengths = batch.lengths[rows]
+        T = int(lengths.max())
+        dev = self.device
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a[rows, :T])).to(dev)
+
+        state, slots = self.store.gather(users)
+        positions = state.pos.cpu().numpy()
+        result = self.model.advance(
+            put(batch.items),
+            put(batch.actions),
+            put(batch.ts_ms),
+            torch.from_numpy(lengths).to(dev),
+            state,
+            return_kq=self.archive is not None,
+        )
+        self.store.scatter(slots, result.state)
+        if self.archive is not None and result.kq is not None:
+            self.archive.observe(
+                users,
+                batch.items[rows, :T],
+                batch.actions[rows, :T],
+                batch.ts_ms[rows, :T],
+                lengths,
+                result.kq,
+                positions,
+            )
+
+    def _record(self, user: str, partition: int) -> None:
+        old = self.partition_of.get(user)
+        if old == partition:
+            return
+        if old is not None:
+            log.warning("user %r moved from partition %d to %d", user, old, partition)
+            self._users_of[old].discard(user)
+        self.partition_of[user] = partition
+        self._users_of.setdefault(partition, set()).add(user)
+
+    # ---- partitions (checkpoints, rebalances) ------------------------------------------
+
+    def users_of(self, partition: int) -> list[str]:
+        return sorted(self._users_of.get(partition, ()))
+
+    def export_partition(self, partition: int) -> tuple[list[str], MemoryState]:
+        """The users of ``partition`` and a host copy of their states (for a checkpoint)."""
+        users = self.users_of(partition)
+        return users, self.store.read(users)
+
+    def adopt(self, partition: int, user_ids: list[str], state: MemoryState) -> None:
+        """Install restored states of a partition's users."""
+        self.store.put(user_ids, state)
+        for user in user_ids:
+            self._record(user, partition)
+
+    def drop_partition(self, partition: int) -> int:
+        users = self._users_of.pop(partition, set())
+        for user in users:
+            self.partition_of.pop(user, None)
+        return self.store.drop(users)
+
+    # ---- read-only helpers for ranking -------------------------------------------------
+
+    def known(self, user_ids: Sequence[str]) -> list[bool]:
+        return [u in self.store for u in user_ids]
+
+    def snapshot(self, user_ids: Sequence[str]) -> MemoryState:
+        """Copies of the users' states on the engine's device (zero states for unknown
+        users); changing them never touches the live state."""
+        out = self.store.layout.zeros(len(user_ids))
+        known = [i for i, u in enumerate(user_ids) if u in self.store]
+        if known:
+            got = self.store.read([user_ids[i] for i in known])
+            idx = torch.tensor(known, dtype=torch.int64)
+            for name in ("S", "pos", "last_ts", "h"):
+                getattr(out, name).index_copy_(0, idx, getattr(got, name))
+            if out.M is not None and got.M is not None:
+                out.M.index_copy_(0, idx, got.M)
+        return _to(out, self.device)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "users": len(self.store),
+            "tiers": self.store.tier_counts(),
+            "bytes_per_user": self.store.bytes_per_user(),
+            "partitions": {p: len(u) for p, u in sorted(self._users_of.items())},
+        }
+
+
+def _to(state: MemoryState, device: torch.device) -> MemoryState:
+    if state.S.device == device:
+        return state
+    return MemoryState(
+        state.S.to(device),
+        None if state.M is None else state.M.to(device),
+        state.pos.to(device),
+        state.last_ts.to(device),
+        state.h.to(device),
+    )

@@ -1,0 +1,172 @@
+import numpy as np
+import pytest
+import torch
+
+from models.recommender import MemoryRecommender
+from recmem.config import Config
+from recmem.engine import Engine, group_events
+from recmem.state_store import StateLayout, UserStateStore
+from recmem.vocab import ItemVocab
+from streams.validate import ValidEvent
+
+
+def small_config() -> Config:
+    cfg = Config()
+    cfg.memory.n_layers = 2
+    cfg.memory.n_heads = 2
+    cfg.memory.key_dim = 8
+    cfg.memory.value_dim = 8
+    cfg.memory.n_blocks = 4
+    cfg.memory.horizon = 8
+    cfg.model.embed_dim = 16
+    cfg.model.n_oov_buckets = 8
+    cfg.state.device_capacity = 64
+    cfg.state.host_capacity = 64
+    return cfg
+
+
+def make_engine(tmp_path, cfg=None, capacity=None, host_capacity=None, seed=0, archive=None):
+    cfg = cfg or small_config()
+    torch.manual_seed(seed)
+    vocab = ItemVocab([f"i{j}" for j in range(30)], cfg.model.n_oov_buckets)
+    model = MemoryRecommender(vocab.n_items, vocab.n_oov, cfg.memory, cfg.model)
+    store = UserStateStore(
+        StateLayout.from_config(cfg.memory, cfg.model),
+        capacity or cfg.state.device_capacity,
+        cfg.state.host_capacity if host_capacity is None else host_capacity,
+        tmp_path / "spill",
+        device="cpu",
+    )
+    return Engine(model, vocab, store, cfg, archive=archive)
+
+
+def random_events(n, n_users, seed=0, n_partitions=3):
+    rng = np.random.default_rng(seed)
+    out = []
+    ts = 10**12
+    for k in range(n):
+        u = int(rng.integers(n_users))
+        ts += int(rng.integers(0, 10**6))
+        out.append(
+            ValidEvent(
+                user_id=f"user{u}",
+                item_id=f"i{int(rng.integers(40))}",  # some unknown -> OOV buckets
+                ts_ms=ts,
+                action=int(rng.integers(6)),
+                value=1.0,
+                session_id=None,
+                partition=u % n_partitions,
+                offset=k,
+            )
+        )
+    return out
+
+
+def test_group_events_keeps_order_per_user():
+    vocab = ItemVocab(["a", "b"], 4)
+    ev = [
+        ValidEvent("x", "a", 1, 0, 1.0, None, 0, 0),
+        ValidEvent("y", "zzz", 2, 1, 1.0, None, 1, 0),
+        ValidEvent("x", "b", 3, 2, 1.0, None, 0, 1),
+        ValidEvent("x", "a", 4, 3, 1.0, None, 0, 2),
+    ]
+    g = group_events(ev, vocab)
+    assert g.user_ids == ["x", "y"] and g.partitions == [0, 1]
+    assert g.lengths.tolist() == [3, 1]
+    assert g.items[0].tolist() == [0, 1, 0]
+    assert g.items[1, 0] == vocab.encode_one("zzz") >= 2
+    assert g.ts_ms.tolist() == [[1, 3, 4], [2, 0, 0]]
+    assert g.actions[0].tolist() == [0, 2, 3]
+
+
+def reference_states(engine, events):
+    """Each user's whole sequence through advance from a zero state, one user at a time."""
+    by_user: dict[str, list[ValidEvent]] = {}
+    for e in events:
+        by_user.setdefault(e.user_id, []).append(e)
+    out = {}
+    with torch.no_grad():
+        for user, evs in by_user.items():
+            g = group_events(evs, engine.vocab)
+            res = engine.model.advance(
+                torch.from_numpy(g.items),
+                torch.from_numpy(g.actions),
+                torch.from_numpy(g.ts_ms),
+                torch.from_numpy(g.lengths),
+                engine.model.init_state(1, "cpu"),
+            )
+            out[user] = res.state
+    return out
+
+
+@pytest.mark.parametrize("capacity, host", [(64, 64), (5, 3)])
+def test_micro_batches_equal_one_pass_per_user(tmp_path, capacity, host):
+    events = random_events(600, 25)
+    engine = make_engine(tmp_path, capacity=capacity, host_capacity=host)
+    total = 0
+    for start in range(0, len(events), 37):
+        chunk = events[start : start + 37]
+        counts = engine.apply(chunk)
+        assert counts.events == len(chunk)
+        total += counts.events
+    assert total == 600
+    ref = reference_states(engine, events)
+    users = sorted(ref)
+    got = engine.snapshot(users)
+    for i, u in enumerate(users):
+        want = ref[u]
+        assert int(got.pos[i]) == int(want.pos[0]) == sum(e.user_id == u for e in events)
+        assert int(got.last_ts[i]) == int(want.last_ts[0])
+        torch.testing.assert_close(got.S[i], want.S[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.M[i], want.M[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.h[i], want.h[0], rtol=1e-4, atol=1e-5)
+    # users are recorded under their partition
+    for p in range(3):
+        assert engine.users_of(p) == sorted(u for u in ref if int(u[4:]) % 3 == p)
+
+
+def test_snapshot_is_a_copy_and_unknown_users_are_zero(tmp_path):
+    engine = make_engine(tmp_path)
+    engine.apply(random_events(50, 4))
+    snap = engine.snapshot(["user0", "nobody"])
+    assert int(snap.pos[1]) == 0 and torch.count_nonzero(snap.S[1]) == 0
+    before = engine.snapshot(["user0"]).S.clone()
+    snap.S.add_(1.0)
+    assert torch.equal(engine.snapshot(["user0"]).S, before)
+    assert engine.known(["user0", "nobody"]) == [True, False]
+
+
+def test_partition_export_adopt_and_drop(tmp_path):
+    src = make_engine(tmp_path / "a")
+    events = random_events(200, 12)
+    src.apply(events)
+    users, state = src.export_partition(1)
+    assert users and all(int(u[4:]) % 3 == 1 for u in users)
+    dst = make_engine(tmp_path / "b")
+    dst.adopt(1, users, state)
+    assert torch.equal(dst.snapshot(users).S, src.snapshot(users).S)
+    assert dst.drop_partition(1) == len(users)
+    assert dst.users_of(1) == [] and not any(dst.known(users))
+
+
+class RecordingArchive:
+    def __init__(self):
+        self.calls = []
+
+    def observe(self, user_ids, items, actions, ts_ms, lengths, kq, positions):
+        self.calls.append((list(user_ids), lengths.copy(), kq[0].shape, positions.copy()))
+
+
+def test_archive_hook_gets_kq_and_positions(tmp_path):
+    arch = RecordingArchive()
+    engine = make_engine(tmp_path, archive=arch)
+    events = random_events(40, 3)
+    engine.apply(events[:20])
+    engine.apply(events[20:])
+    assert len(arch.calls) == 2
+    users, lengths, kshape, positions = arch.calls[1]
+    B, T = len(users), int(lengths.max())
+    assert kshape == (B, T, 2, 2, 8)
+    first = dict(zip(arch.calls[0][0], arch.calls[0][1]))
+    for u, p in zip(users, positions):
+        assert p == first.get(u, 0)
