@@ -18,6 +18,12 @@ Call order, all on the consumer's thread:
   group (for monitoring and as the fallback start; the sink's checkpoint is the truth).
 - ``on_revoked(partitions)`` before a rebalance takes partitions away and when the consumer
   closes: the sink writes its checkpoint for them and drops them.
+- optional ``on_lost(partitions)``: the group evicted this consumer (session expired), so
+  another member may already own these partitions; the sink should drop them without
+  writing a checkpoint. A sink without this method gets ``on_revoked`` instead.
+
+After an exception from the sink (or from writing dead letters) the consumer closes
+without calling the sink again: a half-applied batch is never checkpointed.
 
 Dead letters of a batch are flushed to the dead-letter topic before ``apply_batch``, so a
 crash after a checkpoint can never lose a bad record.
