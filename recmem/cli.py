@@ -58,9 +58,56 @@ def _cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def _cmd_produce(args: argparse.Namespace, cfg: Config) -> int:
+    from recmem.datasets import load_dataset
+    from streams.admin import ensure_topics
+    from streams.codec import make_event
+    from streams.producer import EventProducer
+
+    if args.bootstrap:
+        cfg.kafka.bootstrap_servers = args.bootstrap
+    topic = args.topic or cfg.kafka.topic
+    data = load_dataset(args.dataset, cfg.data)
+    ensure_topics(cfg.kafka, {topic: cfg.kafka.partitions})
+    rows = data.events.select(["user_id", "item_id", "ts_ms", "action", "value"]).iter_rows()
+    events = (make_event(u, i, ts, a, v) for u, i, ts, a, v in rows)
+    with EventProducer(cfg.kafka, topic) as producer:
+        n = producer.send(events, rate=args.rate, limit=args.limit, total=data.n_events)
+    print(f"produced {n} events of {data.name} to {topic} on {cfg.kafka.bootstrap_servers}")
+    return 0
+
+
+def _cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
+    import signal
+    import threading
+
+    from streams.admin import ensure_topics
+    from streams.broker import EmbeddedBroker
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    with EmbeddedBroker(port=args.port, host=args.host, bin_dir=cfg.kafka.broker_bin_dir) as b:
+        if args.topics:
+            cfg.kafka.bootstrap_servers = b.bootstrap
+            ensure_topics(
+                cfg.kafka, {cfg.kafka.topic: cfg.kafka.partitions, cfg.kafka.dead_letter_topic: 1}
+            )
+        print(f"tansu broker on {b.bootstrap} (in-memory storage; Ctrl-C stops it)", flush=True)
+        while b.is_running() and not stop.wait(0.5):
+            pass
+        if not stop.is_set():
+            print(f"recmem broker: the broker exited; see {b.log_path}", file=sys.stderr)
+            return 1
+    print("broker stopped")
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Handler]] = {
     "config": ("print the effective configuration (or --docs: every field explained)", _cmd_config),
     "train": ("train a memory model on the TRAIN part of the time split", _cmd_train),
+    "produce": ("stream a dataset into a Kafka topic in timestamp order", _cmd_produce),
+    "broker": ("run the embedded Kafka-compatible broker (tansu) on loopback", _cmd_broker),
     "demo": ("the main job on the embedded default (see README)", _cmd_demo),
 }
 
@@ -87,6 +134,25 @@ def build_parser() -> argparse.ArgumentParser:
             )
             p.add_argument(
                 "--out", required=True, help="output directory for checkpoint and metrics.json"
+            )
+        if name == "produce":
+            p.add_argument(
+                "--dataset",
+                required=True,
+                help="ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH",
+            )
+            p.add_argument("--topic", help="target topic (default: kafka.topic)")
+            p.add_argument("--bootstrap", help="HOST:PORT (default: kafka.bootstrap_servers)")
+            p.add_argument("--rate", type=float, default=0.0, help="events per second (0 = max)")
+            p.add_argument("--limit", type=int, default=0, help="send at most N events (0 = all)")
+        if name == "broker":
+            p.add_argument("--port", type=int, default=9092, help="listen port (default 9092)")
+            p.add_argument("--host", default="127.0.0.1", help="listen address")
+            p.add_argument(
+                "--topics",
+                action=argparse.BooleanOptionalAction,
+                default=True,
+                help="create kafka.topic (kafka.partitions) and the dead-letter topic at start",
             )
         if name == "demo":
             p.add_argument(
