@@ -58,6 +58,25 @@ def _cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
+    from offline_eval.runner import DEFAULT_MODELS, parse_models, run_eval
+
+    dataset = args.dataset or cfg.data.dataset
+    models = parse_models(args.models or ",".join(DEFAULT_MODELS))
+    split = Path(args.split) if args.split else None
+    summary = run_eval(cfg, dataset, models, Path(args.out), split_path=split)
+    sp = summary["split"]
+    print(f"{summary['dataset']}: {sp['n_test_targets']} TEST targets")
+    for name, entry in summary["models"].items():
+        o = entry["overall"]
+        if entry["train_seconds"] is None:
+            print(f"  {name:26s} not available: {entry['config'].get('reason', '')}")
+        else:
+            print(f"  {name:26s} NDCG@10 {o['ndcg@10']:.4f}  HR@10 {o['hr@10']:.4f}")
+    print(f"summary.json and report.md in {args.out}")
+    return 0
+
+
 def _cmd_produce(args: argparse.Namespace, cfg: Config) -> int:
     from recmem.datasets import load_dataset
     from streams.admin import ensure_topics
@@ -106,6 +125,10 @@ def _cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
 COMMANDS: dict[str, tuple[str, Handler]] = {
     "config": ("print the effective configuration (or --docs: every field explained)", _cmd_config),
     "train": ("train a memory model on the TRAIN part of the time split", _cmd_train),
+    "eval": (
+        "time-split offline evaluation of several models (summary.json, report.md)",
+        _cmd_eval,
+    ),
     "produce": ("stream a dataset into a Kafka topic in timestamp order", _cmd_produce),
     "broker": ("run the embedded Kafka-compatible broker (tansu) on loopback", _cmd_broker),
     "demo": ("the main job on the embedded default (see README)", _cmd_demo),
@@ -135,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--out", required=True, help="output directory for checkpoint and metrics.json"
             )
+        if name == "eval":
+            p.add_argument(
+                "--dataset", help="ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH"
+            )
+            p.add_argument(
+                "--models", help="comma-separated model names (default: all known models)"
+            )
+            p.add_argument("--out", required=True, help="output directory for the reports")
+            p.add_argument("--split", help="a prepared split (.npz from TimeSplit.save) to use")
         if name == "produce":
             p.add_argument(
                 "--dataset",

@@ -1,0 +1,189 @@
+"""``report.md`` and its PNG plots from a ``summary.json`` and the per-position tables."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from offline_eval.metrics import METRIC_KEYS
+from offline_eval.strata import STRATA, position_bucket_labels
+
+if TYPE_CHECKING:
+    from recmem.config import EvalConfig
+
+log = logging.getLogger(__name__)
+
+STRATUM_TITLES = {"recent": "RECENT", "long_term": "LONG-TERM", "new": "NEW", "repeat": "REPEAT"}
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    return str(v)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _available(entry: dict[str, Any]) -> bool:
+    return entry.get("config", {}).get("available", True) is not False
+
+
+def plot_strata(path: Path, models: dict[str, Any], metric: str = "ndcg@10") -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [m for m, e in models.items() if _available(e)]
+    groups = ["overall", *[s for s in STRATA if any(models[m][s]["n"] for m in names)]]
+    if not names:
+        return False
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(groups), 3.6))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        vals = [models[name][g][metric] or 0.0 for g in groups]
+        ax.bar([i + j * width for i in range(len(groups))], vals, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels([STRATUM_TITLES.get(g, g) for g in groups])
+    ax.set_ylabel(f"TEST {metric}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
+def plot_by_position(path: Path, by_position: dict[str, dict[str, dict[str, Any]]]) -> bool:
+    """Two panels, test loss and NDCG@10 by event-position bucket, one line per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not by_position:
+        return False
+    labels = position_bucket_labels()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, table in by_position.items():
+        xs = [i for i, b in enumerate(labels) if table.get(b, {}).get("n")]
+        for ax, key in zip(axes, ("loss", "ndcg@10"), strict=True):
+            ys = [table[labels[i]].get(key) for i in xs]
+            if all(y is not None for y in ys):
+                ax.plot(xs, ys, marker="o", label=name)
+    for ax, key in zip(axes, ("test loss (-log p target)", "TEST NDCG@10"), strict=True):
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels)
+        ax.set_xlabel("target's event position in the user's history")
+        ax.set_ylabel(key)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
+def _save(fig: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def render_report(
+    summary: dict[str, Any],
+    by_position: dict[str, dict[str, dict[str, Any]]],
+    *,
+    eval_config: EvalConfig | None = None,
+    has_repeats: bool = False,
+    plots: tuple[tuple[str, str], ...] = (),
+) -> str:
+    sp = summary["split"]
+    models = summary["models"]
+    lines = [f"# Offline evaluation: {summary['dataset']}", ""]
+    lines += [
+        "Strict global time split (SPEC section 7): events sorted by (timestamp, user, item),",
+        "TRAIN before index floor(0.8 n), VALID up to floor(0.9 n), TEST after; every TEST",
+        "target is ranked among all TRAIN items (full ranking) from all of the user's earlier",
+        "events.",
+        "",
+    ]
+    lines += _table(["split", "value"], [[k, v] for k, v in sp.items()])
+    if eval_config is not None:
+        lines += [
+            "",
+            f"Strata: RECENT = the target's whole category set is among the user's last "
+            f"{eval_config.recent_window} events; LONG-TERM = seen only earlier; NEW = never "
+            f"seen. REPEAT (datasets with repeats{'' if has_repeats else '; none here'}) = "
+            f"the item itself last seen more than {eval_config.repeat_gap} events earlier. "
+            f"exclude_seen = {eval_config.exclude_seen}.",
+        ]
+    lines += ["", "## Overall (TEST)", ""]
+    rows = []
+    for name, e in models.items():
+        o = e["overall"]
+        status = "" if _available(e) else f"not available: {e['config'].get('reason', '')}"
+        rows.append(
+            [name, *[o[k] for k in METRIC_KEYS], o["n"], e["train_seconds"], e["eval_seconds"]]
+            + [status]
+        )
+    lines += _table(["model", *METRIC_KEYS, "n", "train s", "eval s", "note"], rows)
+    for metric in ("ndcg@10", "hr@10"):
+        lines += ["", f"## {metric} by stratum (TEST)", ""]
+        header = ["model"] + [f"{STRATUM_TITLES[s]} (n)" for s in STRATA]
+        rows = []
+        for name, e in models.items():
+            if _available(e):
+                rows.append([name] + [f"{_fmt(e[s][metric])} ({e[s]['n']})" for s in STRATA])
+        lines += _table(header, rows)
+    if by_position:
+        labels = position_bucket_labels()
+        lines += ["", "## By the target's event position (TEST)", ""]
+        rows = []
+        for name, table in by_position.items():
+            for key in ("ndcg@10", "loss"):
+                rows.append([name, key, *[table.get(b, {}).get(key) for b in labels]])
+        lines += _table(["model", "metric", *labels], rows)
+        counts = next(iter(by_position.values()))
+        lines += ["", "Targets per bucket: " + ", ".join(f"{b}: {counts[b]['n']}" for b in labels)]
+    for title, fname in plots:
+        lines += ["", f"![{title}]({fname})"]
+    configs = {n: e["config"] for n, e in models.items()}
+    lines += ["", "## Model configurations", "", "```json"]
+    lines += [json.dumps(configs, indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def write_report(
+    out: Path,
+    summary: dict[str, Any],
+    by_position: dict[str, dict[str, dict[str, Any]]],
+    *,
+    eval_config: EvalConfig | None = None,
+    has_repeats: bool = False,
+) -> Path:
+    plots: list[tuple[str, str]] = []
+    if plot_strata(out / "strata_ndcg10.png", summary["models"]):
+        plots.append(("NDCG@10 by stratum", "strata_ndcg10.png"))
+    if plot_by_position(out / "by_position.png", by_position):
+        plots.append(("Loss and NDCG@10 by event position", "by_position.png"))
+    text = render_report(
+        summary,
+        by_position,
+        eval_config=eval_config,
+        has_repeats=has_repeats,
+        plots=tuple(plots),
+    )
+    path = out / "report.md"
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    log.info("report written to %s", path)
+    return path

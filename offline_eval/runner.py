@@ -1,0 +1,196 @@
+"""``recmem eval``: build (or load) the split, fit each requested model on TRAIN, evaluate it
+on the TEST targets, and write ``summary.json`` (issue 3 schema), ``by_position.json`` and
+``report.md`` with PNG plots.
+
+Models come from a registry, name -> factory(split, cfg) -> (Scorer, train_seconds, config).
+This module registers "pop"; model modules register theirs by calling :func:`register_model`
+from ``offline_eval/models_registry.py``, which is imported (if present) the first time the
+registry is consulted. A model that is requested but cannot run is reported as not
+available with a reason, never dropped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from offline_eval.baselines import make_pop
+from offline_eval.evaluate import Scorer, evaluate
+from offline_eval.metrics import METRIC_KEYS, metrics_from_ranks
+from offline_eval.split import TimeSplit, load_or_build_split
+from offline_eval.strata import STRATA, position_bucket_labels, position_buckets
+
+if TYPE_CHECKING:
+    from recmem.config import Config
+
+log = logging.getLogger(__name__)
+
+ModelFactory = Callable[["TimeSplit", "Config"], tuple[Scorer, float, dict[str, Any]]]
+
+DEFAULT_MODELS = ("pop", "sasrec", "memory-static", "memory-proteus", "memory-proteus-notebank")
+
+_REGISTRY: dict[str, ModelFactory] = {"pop": make_pop}
+_UNAVAILABLE: dict[str, str] = {
+    "memory-proteus-notebank": "NoteBank replay is not wired into offline evaluation yet",
+}
+_plugins_loaded = False
+
+
+def register_model(name: str, factory: ModelFactory) -> None:
+    """Make ``name`` available to ``recmem eval --models``."""
+    _REGISTRY[name] = factory
+    _UNAVAILABLE.pop(name, None)
+
+
+def register_unavailable(name: str, reason: str) -> None:
+    """Declare a model that is known but cannot run now; it is listed with ``reason``."""
+    if name not in _REGISTRY:
+        _UNAVAILABLE[name] = reason
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    if importlib.util.find_spec("offline_eval.models_registry") is not None:
+        importlib.import_module("offline_eval.models_registry")
+
+
+def available_models() -> dict[str, str]:
+    """name -> "" when runnable, else the reason it is not available."""
+    _load_plugins()
+    out = {name: "" for name in _REGISTRY}
+    out.update(_UNAVAILABLE)
+    return out
+
+
+def parse_models(spec: str) -> list[str]:
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    known = available_models()
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; known: {sorted(known)}")
+    if not names:
+        raise ValueError("no models given")
+    return names
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _empty_entry(reason: str) -> dict[str, Any]:
+    empty = {**{k: None for k in METRIC_KEYS}, "n": 0}
+    entry: dict[str, Any] = {"overall": dict(empty)}
+    entry.update({s: dict(empty) for s in STRATA})
+    entry.update(
+        train_seconds=None, eval_seconds=None, config={"available": False, "reason": reason}
+    )
+    return entry
+
+
+def position_table(per_target: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    """NDCG@10 (and mean loss, when given) per event-position bucket of the targets."""
+    bucket = position_buckets(per_target["positions"])
+    table: dict[str, dict[str, Any]] = {}
+    for b, label in enumerate(position_bucket_labels()):
+        sel = bucket == b
+        m = metrics_from_ranks(per_target["ranks"][sel])
+        row: dict[str, Any] = {"n": m["n"], "ndcg@10": m["ndcg@10"], "hr@10": m["hr@10"]}
+        if "loss" in per_target:
+            row["loss"] = float(per_target["loss"][sel].mean()) if sel.any() else None
+        table[label] = row
+    return table
+
+
+def split_summary(split: TimeSplit, test: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "n_events": split.n_events,
+        "n_train": split.n_train,
+        "n_valid_targets": split.targets("valid").n,
+        "n_test_targets": test["n_targets"],
+        "excluded_cold_item": test["excluded_cold_item"],
+        "excluded_first_event": test["excluded_first_event"],
+        "boundary_valid_ts": split.boundary_valid_ts,
+        "boundary_test_ts": split.boundary_test_ts,
+    }
+
+
+def run_eval(
+    cfg: Config,
+    dataset: str,
+    models: list[str],
+    out: Path,
+    *,
+    split_path: Path | None = None,
+    write_report: bool = True,
+) -> dict[str, Any]:
+    """Evaluate ``models`` on the TEST targets of ``dataset``; write the outputs to ``out``."""
+    known = available_models()
+    for name in models:
+        if name not in known:
+            raise ValueError(f"unknown model {name!r}; known: {sorted(known)}")
+    split = TimeSplit.load(split_path) if split_path else load_or_build_split(cfg, dataset)
+    out.mkdir(parents=True, exist_ok=True)
+    entries: dict[str, dict[str, Any]] = {}
+    by_position: dict[str, dict[str, dict[str, Any]]] = {}
+    test_targets = split.targets("test", cfg.eval.exclude_seen)
+    split_info: dict[str, Any] = {
+        "n_targets": test_targets.n,
+        "excluded_cold_item": test_targets.excluded_cold_item,
+        "excluded_first_event": test_targets.excluded_first_event,
+    }
+    for name in models:
+        if known[name]:
+            log.info("model %s: not available (%s)", name, known[name])
+            entries[name] = _empty_entry(known[name])
+            continue
+        log.info("model %s: fitting on TRAIN", name)
+        t0 = time.perf_counter()
+        scorer, train_seconds, model_cfg = _REGISTRY[name](split, cfg)
+        if train_seconds is None:
+            train_seconds = time.perf_counter() - t0
+        res = evaluate(scorer, split, "test", cfg.eval, return_per_target=True)
+        entry: dict[str, Any] = {"overall": res["overall"]}
+        entry.update({s: res[s] for s in STRATA})
+        entry.update(
+            train_seconds=float(train_seconds),
+            eval_seconds=float(res["eval_seconds"]),
+            config=model_cfg,
+        )
+        entries[name] = entry
+        by_position[name] = position_table(res["per_target"])
+        log.info(
+            "model %s: TEST ndcg@10 %.4f hr@10 %.4f (n=%d)",
+            name,
+            res["overall"]["ndcg@10"] or 0.0,
+            res["overall"]["hr@10"] or 0.0,
+            res["overall"]["n"],
+        )
+    summary = {
+        "dataset": split.dataset,
+        "split": split_summary(split, split_info),
+        "models": entries,
+    }
+    _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _atomic_write(out / "by_position.json", json.dumps(by_position, indent=2) + "\n")
+    if write_report:
+        from offline_eval.report import write_report as _write
+
+        _write(out, summary, by_position, eval_config=cfg.eval, has_repeats=split.has_repeats)
+    return summary

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from offline_eval import runner
+from offline_eval.split import TimeSplit, load_or_build_split, split_cache_path
+from recmem.cli import main
+from recmem.config import load_config
+
+SET = ["--set", "data.synthetic_users=60", "--set", "data.synthetic_events=4000"]
+
+
+def test_eval_cli_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cache = ["--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    argv = ["eval", "--dataset", "synthetic", "--models", "pop,memory-proteus-notebank"]
+    assert main([*argv, "--out", str(out), *SET, *cache]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"dataset", "split", "models"}
+    assert summary["dataset"] == "synthetic"
+    sp = summary["split"]
+    assert set(sp) == {
+        "n_events", "n_train", "n_valid_targets", "n_test_targets", "excluded_cold_item",
+        "excluded_first_event", "boundary_valid_ts", "boundary_test_ts",
+    }  # fmt: skip
+    assert sp["n_events"] == 4000 and sp["n_train"] == 3200
+    assert sp["boundary_valid_ts"] <= sp["boundary_test_ts"]
+    assert set(summary["models"]) == {"pop", "memory-proteus-notebank"}
+    pop = summary["models"]["pop"]
+    assert set(pop) == {
+        "overall", "recent", "long_term", "new", "repeat", "train_seconds", "eval_seconds",
+        "config",
+    }  # fmt: skip
+    assert set(pop["overall"]) == {"hr@10", "ndcg@10", "mrr@10", "hr@50", "n"}
+    assert pop["overall"]["n"] == sp["n_test_targets"] > 0
+    assert sum(pop[s]["n"] for s in ("recent", "long_term", "new")) == sp["n_test_targets"]
+    assert 0.0 <= pop["overall"]["ndcg@10"] <= pop["overall"]["hr@10"] <= 1.0
+    # TEST targets + exclusions = TEST events
+    assert sp["n_test_targets"] + sp["excluded_cold_item"] + sp["excluded_first_event"] == 400
+    nb = summary["models"]["memory-proteus-notebank"]
+    assert nb["config"]["available"] is False and nb["config"]["reason"]
+    assert nb["overall"]["n"] == 0
+    report = (out / "report.md").read_text()
+    assert "memory-proteus-notebank" in report and "not available" in report
+    assert (out / "by_position.png").stat().st_size > 0
+    assert (out / "strata_ndcg10.png").stat().st_size > 0
+    by_pos = json.loads((out / "by_position.json").read_text())
+    assert sum(b["n"] for b in by_pos["pop"].values()) == sp["n_test_targets"]
+
+
+def test_unknown_model_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown model"):
+        runner.parse_models("pop,nosuchmodel")
+    assert main(["eval", "--models", "nosuch", "--out", str(tmp_path)]) == 2
+
+
+def test_register_model_and_split_cache(tmp_path: Path) -> None:
+    cfg = load_config(None, [*(s for s in SET if s != "--set"), f"data.cache_dir={tmp_path}"])
+    split = load_or_build_split(cfg, "synthetic")
+    assert split_cache_path(cfg, "synthetic").is_file()
+    again = TimeSplit.load(split_cache_path(cfg, "synthetic"))
+    assert np.array_equal(again.seqs.items, split.seqs.items)
+
+    calls: list[str] = []
+
+    def factory(s: TimeSplit, c: object) -> tuple[object, float, dict[str, object]]:
+        calls.append(s.dataset)
+        return runner.make_pop(s, c)[0], 1.5, {"kind": "pop-again"}
+
+    runner.register_model("pop-again", factory)
+    try:
+        summary = runner.run_eval(
+            cfg, "synthetic", ["pop-again"], tmp_path / "o", write_report=False
+        )
+    finally:
+        runner._REGISTRY.pop("pop-again")
+    assert calls == ["synthetic"]
+    assert summary["models"]["pop-again"]["train_seconds"] == 1.5

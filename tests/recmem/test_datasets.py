@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from models.sequences import ACTIONS
+from recmem.config import DataConfig
+from recmem.datasets import describe, load_dataset
+
+COLUMNS = ["user_id", "item_id", "ts_ms", "action", "value", "category"]
+
+
+def _write_csv(path: Path, text: str) -> str:
+    path.write_text(text)
+    return f"csv:{path}"
+
+
+def test_csv_seconds_categories_actions(tmp_path: Path) -> None:
+    spec = _write_csv(
+        tmp_path / "e.csv",
+        "user_id,item_id,timestamp,category,rating,action\n"
+        "u2,b,1000000001,Comedy|Animation,4,click\n"
+        "u1,a,1000000001,Drama,,purchase\n"
+        "u1,b,1000000000,Animation|Comedy,5,teleport\n"
+        ",c,1000000002,Drama,3,view\n"
+        "u3,c,,Drama,3,view\n"
+        "u3,,1000000003,Drama,3,view\n",
+    )
+    d = load_dataset(spec, DataConfig())
+    ev = d.events
+    assert ev.columns == COLUMNS and ev.height == 3  # 3 rows without user/item/ts dropped
+    assert ev["ts_ms"].dtype == pl.Int64 and ev["value"].dtype == pl.Float32
+    # sorted by (ts, user, item); seconds -> ms
+    assert ev["ts_ms"].to_list() == [1_000_000_000_000, 1_000_000_001_000, 1_000_000_001_000]
+    assert ev["user_id"].to_list() == ["u1", "u1", "u2"]
+    assert ev["action"].to_list() == ["other", "purchase", "click"]
+    assert set(ev["action"].to_list()) <= set(ACTIONS)
+    # a category set is one key, its order canonical
+    assert ev["category"].to_list() == ["Animation|Comedy", "Drama", "Animation|Comedy"]
+    assert ev["value"].to_list() == [5.0, 1.0, 4.0]
+    assert not d.has_repeats
+
+
+def test_csv_milliseconds_and_repeats(tmp_path: Path) -> None:
+    spec = _write_csv(
+        tmp_path / "ms.csv",
+        "user_id,item_id,timestamp\nu,a,1700000000123\nu,a,1700000000456\n",
+    )
+    d = load_dataset(spec, DataConfig())
+    assert d.events["ts_ms"].to_list() == [1_700_000_000_123, 1_700_000_000_456]
+    assert d.has_repeats
+    assert d.events["category"].null_count() == 2
+    assert d.events["action"].to_list() == ["other", "other"]
+
+
+def test_missing_column_names_it(tmp_path: Path) -> None:
+    spec = _write_csv(tmp_path / "bad.csv", "user_id,item,timestamp\nu,a,1\n")
+    with pytest.raises(ValueError, match="item_id"):
+        load_dataset(spec, DataConfig())
+    with pytest.raises(FileNotFoundError):
+        load_dataset(f"csv:{tmp_path / 'absent.csv'}", DataConfig())
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_dataset("ml-20m", DataConfig())
+
+
+def test_parquet(tmp_path: Path) -> None:
+    path = tmp_path / "e.parquet"
+    pl.DataFrame(
+        {"user_id": [1, 2], "item_id": [10, 11], "timestamp": [5, 4], "category": ["x", None]}
+    ).write_parquet(path)
+    d = load_dataset(f"parquet:{path}", DataConfig())
+    assert d.events["user_id"].to_list() == ["2", "1"]
+    assert d.events["ts_ms"].to_list() == [4000, 5000]
+    assert d.events["category"].to_list() == [None, "x"]
+
+
+CACHE = Path(os.environ.get("RECMEM_TEST_CACHE", "~/.cache/recmem")).expanduser()
+
+
+def test_ml100k_from_wheel() -> None:
+    d = load_dataset("ml-100k", DataConfig(cache_dir=str(CACHE)))
+    info = describe(d)
+    assert (info["n_events"], info["n_users"], info["n_items"]) == (100_000, 943, 1682)
+    assert not d.has_repeats
+    toy = d.events.filter(pl.col("item_id") == "1")["category"][0]
+    assert toy == "Animation|Children's|Comedy"
+    assert d.item_titles is not None and d.item_titles["1"] == "Toy Story"
+    assert d.events["action"].unique().to_list() == ["rating"]
+
+
+@pytest.mark.slow
+def test_ml1m_from_wheel() -> None:
+    d = load_dataset("ml-1m", DataConfig(cache_dir=str(CACHE)))
+    info = describe(d)
+    assert (info["n_events"], info["n_users"]) == (1_000_209, 6040)
+    assert info["max_events_per_user"] == 2314
+    assert info["mean_events_per_user"] == pytest.approx(165.6, abs=0.05)
