@@ -1,0 +1,301 @@
+"""The rank step (SPEC sections 5-6): top-k items for a micro-batch of requests, read from
+COPIES of the users' live memory states. A rank call never changes the live state.
+
+For each request of a micro-batch:
+
+1. Copy the user's state (``RankSources.snapshot``); position 0 means the user is unknown.
+2. Query events: the request's context events when it has any, else (only when replay is
+   on) the user's latest ``query_events`` raw events as the engine recorded them. These are
+   the "question" of the NoteBank paper: what the next item should follow.
+3. Route (replay on): run the query events on a temporary copy of the state with their
+   masked queries q~ returned (positions continue after the user's position) and hand the
+   q~ to the archive, which votes per channel and returns the top-R notes in time order.
+4. Final pass, on a fresh copy: the notes' raw events (chronological, positions continuing
+   after the user's position), then the query events, so the read-out sits on the user's
+   most recent event with the replayed evidence in memory. Without replay only the
+   context events run (none: the copy's stored read-out ``h`` is used as is).
+5. Score the user vector against the candidates or the whole TRAIN catalog; top-k.
+
+Steps 3 and 4 are each ONE padded ``advance`` over all requests of the micro-batch, and
+scoring is one matmul for the whole-catalog requests plus one for the candidate requests.
+
+An unknown user without context gets TRAIN popularity (``cold_start``); with context the
+answer comes from the context alone (a fresh zero state).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from models.recommender import MemoryRecommender
+from models.state import MemoryState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UserEvents:
+    """Raw events of one user, oldest first: encoded item indices, action indices, ts (ms)."""
+
+    items: np.ndarray
+    actions: np.ndarray
+    ts_ms: np.ndarray
+
+    def __post_init__(self) -> None:
+        if not (len(self.items) == len(self.actions) == len(self.ts_ms)):
+            raise ValueError("UserEvents arrays must have the same length")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @classmethod
+    def empty(cls) -> UserEvents:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z, z)
+
+    @classmethod
+    def concat(cls, parts: Sequence[UserEvents]) -> UserEvents:
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return cls.empty()
+        return cls(
+            np.concatenate([p.items for p in parts]).astype(np.int64),
+            np.concatenate([p.actions for p in parts]).astype(np.int64),
+            np.concatenate([p.ts_ms for p in parts]).astype(np.int64),
+        )
+
+
+@dataclass(frozen=True)
+class RankQuery:
+    """One validated request. ``candidates``: encoded TRAIN item indices, None = catalog."""
+
+    user_id: str
+    k: int
+    candidates: np.ndarray | None = None
+    replay_notes: int = 0
+    """R; 0 = replay off."""
+    context: UserEvents = field(default_factory=UserEvents.empty)
+
+
+@dataclass
+class RankResult:
+    items: np.ndarray
+    """Encoded item indices, best first."""
+    scores: np.ndarray
+    position: int
+    """The user's live position (before context and replay)."""
+    cold_start: bool
+    notes_replayed: int
+    context_applied: int
+
+
+class RankSources(Protocol):
+    """What the rank step reads from the engine and the archive (all read-only)."""
+
+    def snapshot(self, user_ids: Sequence[str]) -> MemoryState:
+        """A copy of the users' states (zeros, position 0, for unknown users)."""
+        ...
+
+    def recent_events(self, user_id: str, n: int) -> UserEvents:
+        """Up to ``n`` of the user's latest applied raw events (empty when not kept)."""
+        ...
+
+    def route(self, user_id: str, queries: torch.Tensor, n_notes: int) -> list[UserEvents]:
+        """Top ``n_notes`` notes for masked queries q~ [Q, L, H, K], in time order."""
+        ...
+
+
+def train_popularity(items: np.ndarray, n_items: int) -> np.ndarray:
+    """[n_items] float32 share of TRAIN events per item (OOV indices are ignored)."""
+    items = np.asarray(items, dtype=np.int64)
+    counts = np.bincount(items[(items >= 0) & (items < n_items)], minlength=n_items)
+    total = max(int(counts.sum()), 1)
+    return (counts / total).astype(np.float32)
+
+
+def _pad(rows: Sequence[UserEvents], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Right-padded [B, T] items, actions, ts and lengths [B] (int64, on ``device``)."""
+    B = len(rows)
+    T = max((len(r) for r in rows), default=0)
+    items = np.zeros((B, T), dtype=np.int64)
+    actions = np.zeros((B, T), dtype=np.int64)
+    ts = np.zeros((B, T), dtype=np.int64)
+    lengths = np.zeros(B, dtype=np.int64)
+    for b, r in enumerate(rows):
+        n = len(r)
+        items[b, :n], actions[b, :n], ts[b, :n], lengths[b] = r.items, r.actions, r.ts_ms, n
+    return tuple(torch.from_numpy(a).to(device) for a in (items, actions, ts, lengths))
+
+
+class Ranker:
+    """Runs the rank step for micro-batches on one model and one set of sources.
+
+    ``popularity`` [n_items] scores the cold-start answer (None: every item scores 0 and
+    the catalog order decides). ``query_events``: how many of the user's latest events
+    form the routing query when a replay request carries no context.
+    """
+
+    def __init__(
+        self,
+        model: MemoryRecommender,
+        sources: RankSources,
+        popularity: np.ndarray | None = None,
+        query_events: int = 1,
+    ) -> None:
+        if popularity is not None and len(popularity) != model.n_items:
+            raise ValueError(
+                f"popularity has {len(popularity)} entries, the model has {model.n_items} items"
+            )
+        if query_events < 1:
+            raise ValueError("query_events must be >= 1")
+        self.model = model
+        self.sources = sources
+        self.query_events = query_events
+        self.device = next(model.parameters()).device
+        pop = np.zeros(model.n_items, np.float32) if popularity is None else popularity
+        self.popularity = np.asarray(pop, np.float32)
+        self._by_popularity = np.argsort(-self.popularity, kind="stable")
+        self.batches = 0
+        """Micro-batches ranked so far."""
+
+    @torch.no_grad()
+    def rank(self, queries: Sequence[RankQuery]) -> list[RankResult]:
+        """Rank a micro-batch; results in request order."""
+        if not queries:
+            return []
+        self.model.eval()
+        self.batches += 1
+        base = self._move(self.sources.snapshot([q.user_id for q in queries]))
+        live_pos = base.pos.tolist()
+        cold = [p == 0 and len(q.context) == 0 for p, q in zip(live_pos, queries)]
+
+        # Query events: the context, else (replay only) the user's latest events.
+        query_ev: list[UserEvents] = []
+        for q, p in zip(queries, live_pos):
+            if len(q.context) or not q.replay_notes or p == 0:
+                query_ev.append(q.context)
+            else:
+                query_ev.append(self.sources.recent_events(q.user_id, self.query_events))
+
+        notes = self._route(queries, base, query_ev, live_pos)
+
+        final_rows: list[UserEvents] = []
+        for q, qe, ns in zip(queries, query_ev, notes):
+            final_rows.append(UserEvents.concat([*ns, qe]) if ns else q.context)
+        state = base
+        if any(len(r) for r in final_rows):
+            items, actions, ts, lengths = _pad(final_rows, self.device)
+            state = self.model.advance(items, actions, ts, lengths, base).state
+        user_vec = state.h
+
+        results: list[RankResult] = []
+        top = self._score(queries, user_vec, cold)
+        for i, q in enumerate(queries):
+            idx, sc = top[i]
+            results.append(
+                RankResult(
+                    items=idx,
+                    scores=sc,
+                    position=int(live_pos[i]),
+                    cold_start=cold[i],
+                    notes_replayed=len(notes[i]),
+                    context_applied=len(q.context),
+                )
+            )
+        return results
+
+    def _move(self, state: MemoryState) -> MemoryState:
+        if state.S.device == self.device:
+            return state
+        return MemoryState(
+            state.S.to(self.device),
+            None if state.M is None else state.M.to(self.device),
+            state.pos.to(self.device),
+            state.last_ts.to(self.device),
+            state.h.to(self.device),
+        )
+
+    def _route(
+        self,
+        queries: Sequence[RankQuery],
+        base: MemoryState,
+        query_ev: Sequence[UserEvents],
+        live_pos: Sequence[int],
+    ) -> list[list[UserEvents]]:
+        """Notes to replay per request: one kq pass over the query events of the replay
+        requests (on a temporary copy), then the archive's vote per user."""
+        want = [
+            i
+            for i, q in enumerate(queries)
+            if q.replay_notes > 0 and live_pos[i] > 0 and len(query_ev[i]) > 0
+        ]
+        notes: list[list[UserEvents]] = [[] for _ in queries]
+        if not want:
+            return notes
+        rows = torch.as_tensor(want, device=self.device)
+        items, actions, ts, lengths = _pad([query_ev[i] for i in want], self.device)
+        res = self.model.advance(items, actions, ts, lengths, base.index(rows), return_kq=True)
+        assert res.kq is not None
+        q_tilde = res.kq[1]  # [B', T, L, H, K]
+        for j, i in enumerate(want):
+            n = int(lengths[j])
+            notes[i] = self.sources.route(
+                queries[i].user_id, q_tilde[j, :n], queries[i].replay_notes
+            )
+        return notes
+
+    def _cold(self, q: RankQuery) -> tuple[np.ndarray, np.ndarray]:
+        """TRAIN popularity top-k; ties go to the lower item index."""
+        if q.candidates is None:
+            idx = self._by_popularity[: q.k]
+        else:
+            order = np.argsort(-self.popularity[q.candidates], kind="stable")
+            idx = q.candidates[order[: q.k]]
+        return idx.astype(np.int64), self.popularity[idx]
+
+    def _score(
+        self, queries: Sequence[RankQuery], user_vec: torch.Tensor, cold: Sequence[bool]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Top-k (indices, scores) per request: one catalog matmul, one candidate einsum."""
+        out = [self._cold(q) if c else None for q, c in zip(queries, cold)]
+        n_items = self.model.n_items
+        catalog = [i for i, q in enumerate(queries) if q.candidates is None and not cold[i]]
+        if catalog:
+            rows = torch.as_tensor(catalog, device=self.device)
+            scores = self.model.score(user_vec[rows])
+            kmax = min(max(queries[i].k for i in catalog), n_items)
+            val, idx = torch.topk(scores, kmax, dim=1)
+            val_np, idx_np = val.cpu().numpy(), idx.cpu().numpy()
+            for j, i in enumerate(catalog):
+                k = min(queries[i].k, n_items)
+                out[i] = (idx_np[j, :k].astype(np.int64), val_np[j, :k].astype(np.float32))
+        cand = [i for i, q in enumerate(queries) if q.candidates is not None and not cold[i]]
+        if cand:
+            lists = [c for c in (queries[i].candidates for i in cand) if c is not None]
+            sizes = [len(c) for c in lists]
+            C = max(sizes)
+            padded = np.zeros((len(cand), C), dtype=np.int64)
+            for j, c in enumerate(lists):
+                padded[j, : sizes[j]] = c
+            items = torch.from_numpy(padded).to(self.device)
+            rows = torch.as_tensor(cand, device=self.device)
+            scores = self.model.score(user_vec[rows], items)
+            size_t = torch.as_tensor(sizes, device=self.device)
+            valid = torch.arange(C, device=self.device)[None, :] < size_t[:, None]
+            scores = scores.masked_fill(~valid, float("-inf"))
+            kmax = min(max(queries[i].k for i in cand), C)
+            val, pos = torch.topk(scores, kmax, dim=1)
+            picked = torch.gather(items, 1, pos)
+            val_np, picked_np = val.cpu().numpy(), picked.cpu().numpy()
+            for j, i in enumerate(cand):
+                k = min(queries[i].k, sizes[j])
+                out[i] = (picked_np[j, :k].astype(np.int64), val_np[j, :k].astype(np.float32))
+        done = [o for o in out if o is not None]
+        assert len(done) == len(queries), "every request is scored"
+        return done

@@ -1,0 +1,119 @@
+"""The gRPC rank server: RecMem servicer + micro-batcher + Ranker, standard health checking
+and reflection, optional TLS and bearer token, graceful stop."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+from recmem.config import Config
+from recmem.ranking import Ranker, RankQuery, RankResult
+from recmem.server.auth import BearerTokenInterceptor, server_credentials
+from recmem.server.batcher import MicroBatcher
+from recmem.server.servicer import Inspector, RecMemServicer
+from recmem.server.validation import Limits
+from recmem.vocab import ItemVocab
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = rank_pb2.DESCRIPTOR.services_by_name["RecMem"].full_name
+
+
+def limits_from_config(cfg: Config) -> Limits:
+    s = cfg.server
+    return Limits(
+        max_k=s.max_k,
+        max_candidates=s.max_candidates,
+        max_context_events=s.max_context_events,
+        max_replay_notes=s.max_replay_notes,
+        default_replay_notes=cfg.archive.replay_notes,
+        max_id_bytes=cfg.kafka.max_field_bytes,
+        max_past_ms=cfg.kafka.max_past_ms,
+        max_future_ms=cfg.kafka.max_future_ms,
+    )
+
+
+class RankServer:
+    """Owns the grpc.Server, the batcher and the health servicer.
+
+    ``start()`` binds ``server.host:server.port`` (port 0 picks a free port; see ``port``),
+    ``stop(grace)`` reports NOT_SERVING, lets in-flight calls finish, then stops the batcher.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        ranker: Ranker,
+        vocab: ItemVocab,
+        model_version: str,
+        inspector: Inspector,
+    ) -> None:
+        if vocab.n_items != ranker.model.n_items:
+            raise ValueError(
+                f"vocabulary has {vocab.n_items} items, the model {ranker.model.n_items}"
+            )
+        s = cfg.server
+        self.cfg = cfg
+        self.batcher: MicroBatcher[RankQuery, RankResult] = MicroBatcher(
+            ranker.rank, window_ms=s.batch_window_ms, max_batch=s.max_batch
+        )
+        interceptors = [BearerTokenInterceptor(s.auth_token)] if s.auth_token else []
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=s.threads, thread_name_prefix="grpc"),
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", s.max_message_bytes)],
+        )
+        servicer = RecMemServicer(
+            self.batcher,
+            vocab,
+            limits_from_config(cfg),
+            model_version,
+            inspector,
+            timeout_s=s.request_timeout_s,
+        )
+        rank_pb2_grpc.add_RecMemServicer_to_server(servicer, self.server)  # type: ignore[no-untyped-call]
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        address = f"{s.host}:{s.port}"
+        if s.tls_cert:
+            self.port = self.server.add_secure_port(
+                address, server_credentials(s.tls_cert, s.tls_key)
+            )
+        else:
+            if s.tls_key:
+                raise ValueError("server.tls_key is set but server.tls_cert is empty")
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise ValueError(f"cannot listen on {address}")
+        self.tls = bool(s.tls_cert)
+
+    def start(self) -> RankServer:
+        self.server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "rank service on %s:%d (%s%s)",
+            self.cfg.server.host,
+            self.port,
+            "TLS" if self.tls else "plaintext",
+            ", bearer token" if self.cfg.server.auth_token else "",
+        )
+        return self
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stops (True) or ``timeout`` passes (False)."""
+        timed_out = self.server.wait_for_termination(timeout)
+        return not timed_out
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        self.batcher.stop()
+        log.info("rank service stopped")

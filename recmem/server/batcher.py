@@ -1,0 +1,132 @@
+"""Micro-batching of concurrent requests into one worker thread (the vLLM pattern: many
+front-end threads, one engine step per batch).
+
+A request waits at most ``window_ms`` after the first request of its batch arrived, and a
+batch holds at most ``max_batch`` requests. The worker calls ``handler(items)`` once per
+batch; the handler returns one result per item, in order. An exception in the handler
+fails every request of that batch (never the worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_STOP = object()
+
+
+class BatcherStopped(RuntimeError):
+    """The batcher no longer accepts requests."""
+
+
+class MicroBatcher(Generic[T, R]):
+    def __init__(
+        self,
+        handler: Callable[[Sequence[T]], Sequence[R]],
+        window_ms: float,
+        max_batch: int,
+        name: str = "rank-batcher",
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if window_ms < 0:
+            raise ValueError("window_ms must be >= 0")
+        self._handler = handler
+        self._window_s = window_ms / 1000.0
+        self._max_batch = max_batch
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._lock = threading.Lock()
+        self._accepting = True
+        self.batches = 0
+        """Batches run so far."""
+        self.requests = 0
+        """Requests run so far."""
+        self.largest_batch = 0
+        """Most requests seen in one batch."""
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, item: T) -> Future[R]:
+        """Queue one request; the future resolves when its batch has run."""
+        fut: Future[R] = Future()
+        with self._lock:
+            if not self._accepting:
+                raise BatcherStopped("the rank service is shutting down")
+            self._queue.put((item, fut))
+        return fut
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop accepting, finish the queued requests, join the worker."""
+        with self._lock:
+            if not self._accepting:
+                return
+            self._accepting = False
+            self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    def _collect(self, first: object) -> tuple[list[tuple[T, Future[R]]], bool]:
+        batch = [first]  # type: ignore[list-item]
+        stop = False
+        deadline = time.monotonic() + self._window_s
+        while len(batch) < self._max_batch:
+            remaining = deadline - time.monotonic()
+            try:
+                nxt = (
+                    self._queue.get(timeout=remaining)
+                    if remaining > 0
+                    else self._queue.get_nowait()
+                )
+            except queue.Empty:
+                break
+            if nxt is _STOP:
+                stop = True
+                break
+            batch.append(nxt)
+        return batch, stop  # type: ignore[return-value]
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is _STOP:
+                break
+            batch, stop = self._collect(first)
+            live = [(item, fut) for item, fut in batch if fut.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            self.batches += 1
+            self.requests += len(live)
+            self.largest_batch = max(self.largest_batch, len(live))
+            try:
+                results = self._handler([item for item, _ in live])
+                if len(results) != len(live):
+                    raise RuntimeError(
+                        f"batch handler returned {len(results)} results for {len(live)} requests"
+                    )
+            except Exception as exc:  # noqa: BLE001 - one bad batch must not kill the worker
+                log.exception("rank batch of %d failed", len(live))
+                for _, fut in live:
+                    fut.set_exception(exc)
+                continue
+            for (_, fut), res in zip(live, results):
+                fut.set_result(res)
+        # Drain anything queued before the stop marker was seen.
+        while True:
+            try:
+                rest = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if rest is not _STOP:
+                _, fut = rest  # type: ignore[misc]
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(BatcherStopped("the rank service is shutting down"))

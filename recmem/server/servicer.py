@@ -1,0 +1,113 @@
+"""The RecMem gRPC servicer: a thin adapter that validates requests, hands them to the
+micro-batcher (one engine step per batch) and translates results back."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import grpc
+
+from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+from recmem.ranking import RankQuery, RankResult
+from recmem.server.batcher import BatcherStopped, MicroBatcher
+from recmem.server.validation import InvalidRequest, Limits, to_query
+from recmem.vocab import ItemVocab
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UserInfo:
+    """What InspectUser reports about a known user."""
+
+    position: int
+    last_ts_ms: int
+    unlocked_blocks: int
+    total_blocks: int
+    note_count: int
+    resident_tier: str
+
+
+Inspector = Callable[[str], UserInfo | None]
+"""user id -> UserInfo, or None for a user the service has never seen."""
+
+
+class RecMemServicer(rank_pb2_grpc.RecMemServicer):
+    def __init__(
+        self,
+        batcher: MicroBatcher[RankQuery, RankResult],
+        vocab: ItemVocab,
+        limits: Limits,
+        model_version: str,
+        inspector: Inspector,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self._batcher = batcher
+        self._vocab = vocab
+        self._limits = limits
+        self._model_version = model_version
+        self._inspector = inspector
+        self._timeout_s = timeout_s
+
+    def Rank(
+        self, request: rank_pb2.RankRequest, context: grpc.ServicerContext
+    ) -> rank_pb2.RankResponse:
+        try:
+            query = to_query(request, self._vocab, self._limits)
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            fut = self._batcher.submit(query)
+        except BatcherStopped as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        remaining = context.time_remaining()
+        timeout = self._timeout_s if remaining is None else min(remaining, self._timeout_s)
+        try:
+            res = fut.result(timeout=max(timeout, 0.0))
+        except FutureTimeout:
+            fut.cancel()
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "rank did not finish in time")
+        except BatcherStopped as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Exception:  # noqa: BLE001 - logged by the batcher; the client gets INTERNAL
+            context.abort(grpc.StatusCode.INTERNAL, "rank failed; see the server log")
+        ids = self._vocab.item_ids
+        return rank_pb2.RankResponse(
+            items=[
+                rank_pb2.ScoredItem(item_id=ids[int(i)], score=float(s))
+                for i, s in zip(res.items, res.scores)
+            ],
+            model_version=self._model_version,
+            position=res.position,
+            cold_start=res.cold_start,
+            notes_replayed=res.notes_replayed,
+            context_applied=res.context_applied,
+        )
+
+    def InspectUser(
+        self, request: rank_pb2.InspectUserRequest, context: grpc.ServicerContext
+    ) -> rank_pb2.InspectUserResponse:
+        if not request.user_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "user_id is empty")
+        info = self._inspector(request.user_id)
+        if info is None:
+            return rank_pb2.InspectUserResponse(
+                user_id=request.user_id,
+                known=False,
+                last_ts_ms=-1,
+                model_version=self._model_version,
+            )
+        return rank_pb2.InspectUserResponse(
+            user_id=request.user_id,
+            known=True,
+            position=info.position,
+            unlocked_blocks=info.unlocked_blocks,
+            total_blocks=info.total_blocks,
+            note_count=info.note_count,
+            resident_tier=info.resident_tier,
+            last_ts_ms=info.last_ts_ms,
+            model_version=self._model_version,
+        )

@@ -1,0 +1,139 @@
+"""The rank step on a real (small, freshly initialised) memory model: batching does not
+change answers, replay and context follow their definitions, cold start, and the live
+state is never changed by any number of rank calls."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from recmem.ranking import RankQuery, UserEvents, train_popularity
+from tests.recmem.rank_env import N_ITEMS, RankEnv, make_env, user_events
+
+
+@pytest.fixture(scope="module")
+def env() -> RankEnv:
+    return make_env()
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.as_tensor(a, dtype=torch.int64)[None]
+
+
+@torch.no_grad()
+def expected_vector(env: RankEnv, user: str, events: UserEvents) -> torch.Tensor:
+    """The user vector after ``events`` on a copy of the user's state, the obvious way."""
+    state = env.sources.snapshot([user])
+    if len(events) == 0:
+        return state.h[0]
+    res = env.model.advance(
+        _t(events.items), _t(events.actions), _t(events.ts_ms), torch.tensor([len(events)]), state
+    )
+    return res.state.h[0]
+
+
+def test_rank_matches_the_user_vector_and_catalog_scores(env: RankEnv) -> None:
+    (res,) = env.ranker.rank([RankQuery("user0", k=10)])
+    vec = expected_vector(env, "user0", UserEvents.empty())
+    scores = (env.model.item_weight() @ vec).detach()
+    top = torch.topk(scores, 10)
+    assert res.items.tolist() == top.indices.tolist()
+    np.testing.assert_allclose(res.scores, top.values.numpy(), rtol=1e-5, atol=1e-6)
+    assert res.position == 40 and not res.cold_start and res.notes_replayed == 0
+
+
+def test_context_is_applied_after_the_state(env: RankEnv) -> None:
+    ctx = user_events(np.random.default_rng(5), 3, t0=10**12)
+    (res,) = env.ranker.rank([RankQuery("user1", k=N_ITEMS, context=ctx)])
+    vec = expected_vector(env, "user1", ctx)
+    scores = (env.model.item_weight() @ vec).detach().numpy()
+    np.testing.assert_allclose(res.scores, scores[res.items], rtol=1e-5, atol=1e-6)
+    assert res.context_applied == 3 and res.position == 40
+
+
+def test_replay_runs_notes_then_the_query_events(env: RankEnv) -> None:
+    R = 2
+    (res,) = env.ranker.rank([RankQuery("user2", k=N_ITEMS, replay_notes=R)])
+    notes = env.sources.route("user2", torch.zeros(1), R)
+    recent = env.sources.recent_events("user2", env.cfg.server.replay_query_events)
+    vec = expected_vector(env, "user2", UserEvents.concat([*notes, recent]))
+    scores = (env.model.item_weight() @ vec).detach().numpy()
+    np.testing.assert_allclose(res.scores, scores[res.items], rtol=1e-5, atol=1e-6)
+    assert res.notes_replayed == R
+    (off,) = env.ranker.rank([RankQuery("user2", k=N_ITEMS)])
+    assert not np.allclose(np.sort(off.scores), np.sort(res.scores))
+
+
+def test_micro_batch_gives_the_same_answers_as_single_requests(env: RankEnv) -> None:
+    rng = np.random.default_rng(1)
+    queries = [
+        RankQuery("user0", k=5),
+        RankQuery("user1", k=3, candidates=np.array([4, 9, 17, 33], np.int64)),
+        RankQuery("user2", k=8, replay_notes=4),
+        RankQuery("user3", k=4, context=user_events(rng, 5, t0=10**12)),
+        RankQuery(
+            "user4",
+            k=6,
+            candidates=np.arange(20, 40, dtype=np.int64),
+            replay_notes=2,
+            context=user_events(rng, 2, t0=10**12),
+        ),
+        RankQuery("stranger", k=5),
+        RankQuery("stranger2", k=5, context=user_events(rng, 4, t0=10**12)),
+        RankQuery("user0", k=2, candidates=np.array([1, 2, 3], np.int64)),
+    ]
+    batch = env.ranker.rank(queries)
+    for q, got in zip(queries, batch):
+        (alone,) = env.ranker.rank([q])
+        assert got.items.tolist() == alone.items.tolist(), q.user_id
+        np.testing.assert_allclose(got.scores, alone.scores, rtol=1e-5, atol=1e-6)
+        assert (got.position, got.cold_start, got.notes_replayed, got.context_applied) == (
+            alone.position,
+            alone.cold_start,
+            alone.notes_replayed,
+            alone.context_applied,
+        )
+        assert len(got.items) == min(q.k, N_ITEMS if q.candidates is None else len(q.candidates))
+
+
+def test_cold_start_is_train_popularity_and_context_only_otherwise(env: RankEnv) -> None:
+    cold, ctx_only = env.ranker.rank(
+        [
+            RankQuery("new-user", k=4),
+            RankQuery("new-user", k=N_ITEMS, context=user_events(np.random.default_rng(2), 3)),
+        ]
+    )
+    assert cold.cold_start and cold.position == 0
+    np.testing.assert_allclose(cold.scores, np.sort(env.popularity)[::-1][:4])
+    assert not ctx_only.cold_start and ctx_only.context_applied == 3
+    (replayed,) = env.ranker.rank([RankQuery("new-user", k=4, replay_notes=3)])
+    assert replayed.cold_start and replayed.notes_replayed == 0
+
+
+def test_train_popularity_ignores_oov_indices() -> None:
+    pop = train_popularity(np.array([0, 0, 1, 5, 7]), 3)
+    np.testing.assert_allclose(pop, [2 / 3, 1 / 3, 0.0])
+
+
+def test_live_state_is_unchanged_by_many_rank_calls(env: RankEnv) -> None:
+    users = [f"user{u}" for u in range(6)]
+    before = env.sources.snapshot(users)
+    rng = np.random.default_rng(3)
+    for i in range(25):
+        queries = [
+            RankQuery(
+                users[(i + j) % 6],
+                k=5,
+                replay_notes=(i + j) % 3,
+                context=user_events(rng, j % 4, t0=10**12),
+                candidates=None if j % 2 else np.arange(10, dtype=np.int64),
+            )
+            for j in range(4)
+        ]
+        env.ranker.rank(queries)
+    after = env.sources.snapshot(users)
+    for name in ("S", "M", "pos", "last_ts", "h"):
+        a, b = getattr(before, name), getattr(after, name)
+        assert torch.equal(a, b), name
+        assert a.view(torch.uint8).numpy().tobytes() == b.view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,361 @@
+"""The gRPC rank service over real gRPC on 127.0.0.1 (ephemeral ports): ranking, limits,
+bearer token, TLS, health, reflection, micro-batching and graceful stop."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from proto.recmem.v1 import event_pb2, rank_pb2, rank_pb2_grpc
+from recmem.server import RankServer, UserInfo
+from tests.recmem.rank_env import N_ITEMS, RankEnv, make_env
+
+TIMEOUT = 20.0
+
+
+def inspector(env: RankEnv):  # type: ignore[no-untyped-def]
+    def info(user: str) -> UserInfo | None:
+        st = env.sources.states.get(user)
+        if st is None:
+            return None
+        return UserInfo(int(st.pos[0]), int(st.last_ts[0]), 1, 4, 0, "host")
+
+    return info
+
+
+def start(env: RankEnv) -> RankServer:
+    return RankServer(env.cfg, env.ranker, env.vocab, "test-model", inspector(env)).start()
+
+
+@pytest.fixture(scope="module")
+def env() -> RankEnv:
+    return make_env()
+
+
+@pytest.fixture(scope="module")
+def server(env: RankEnv) -> Iterator[RankServer]:
+    srv = start(env)
+    yield srv
+    srv.stop(grace=1.0)
+
+
+@pytest.fixture(scope="module")
+def channel(server: RankServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        yield ch
+
+
+@pytest.fixture
+def stub(channel: grpc.Channel) -> rank_pb2_grpc.RecMemStub:
+    return rank_pb2_grpc.RecMemStub(channel)
+
+
+def ctx_event(item: str, ts: int, user: str = "") -> event_pb2.Event:
+    return event_pb2.Event(user_id=user, item_id=item, ts_ms=ts, action=event_pb2.ACTION_CLICK)
+
+
+def test_rank_returns_k_sorted_items_with_version_and_position(stub, env: RankEnv) -> None:
+    res = stub.Rank(rank_pb2.RankRequest(user_id="user1", k=7), timeout=TIMEOUT)
+    scores = [it.score for it in res.items]
+    assert len(res.items) == 7
+    assert scores == sorted(scores, reverse=True)
+    assert len({it.item_id for it in res.items}) == 7
+    assert all(it.item_id in env.vocab.index for it in res.items)
+    assert res.model_version == "test-model"
+    assert res.position == 40
+    assert not res.cold_start
+
+
+def test_candidates_are_a_subset_scored_like_the_catalog(stub) -> None:
+    full = stub.Rank(rank_pb2.RankRequest(user_id="user2", k=N_ITEMS), timeout=TIMEOUT)
+    by_id = {it.item_id: it.score for it in full.items}
+    cands = [f"item{i}" for i in range(0, N_ITEMS, 3)]
+    res = stub.Rank(
+        rank_pb2.RankRequest(user_id="user2", k=5, candidate_item_ids=cands), timeout=TIMEOUT
+    )
+    assert len(res.items) == 5
+    assert {it.item_id for it in res.items} <= set(cands)
+    for it in res.items:
+        assert it.score == pytest.approx(by_id[it.item_id], abs=1e-5)
+    best = sorted(cands, key=lambda i: -by_id[i])[:5]
+    assert [it.item_id for it in res.items] == best
+    few = stub.Rank(
+        rank_pb2.RankRequest(user_id="user2", k=10, candidate_item_ids=["item3", "item4"]),
+        timeout=TIMEOUT,
+    )
+    assert len(few.items) == 2
+
+
+def test_replay_on_reports_notes_and_changes_scores(stub) -> None:
+    off = stub.Rank(rank_pb2.RankRequest(user_id="user3", k=10), timeout=TIMEOUT)
+    on = stub.Rank(
+        rank_pb2.RankRequest(
+            user_id="user3", k=10, replay=rank_pb2.ReplayOptions(enabled=True, notes=2)
+        ),
+        timeout=TIMEOUT,
+    )
+    assert off.notes_replayed == 0
+    assert on.notes_replayed == 2
+    assert on.position == off.position == 40
+    assert [it.score for it in on.items] != [it.score for it in off.items]
+
+
+def test_unknown_user_gets_popularity_then_context_only(stub, env: RankEnv) -> None:
+    res = stub.Rank(rank_pb2.RankRequest(user_id="nobody", k=5), timeout=TIMEOUT)
+    assert res.cold_start and res.position == 0
+    top = sorted(range(N_ITEMS), key=lambda i: (-env.popularity[i], i))[:5]
+    assert [it.score for it in res.items] == pytest.approx([env.popularity[i] for i in top])
+    ctx = stub.Rank(
+        rank_pb2.RankRequest(user_id="nobody", k=5, context=[ctx_event("item1", 5_000)]),
+        timeout=TIMEOUT,
+    )
+    assert not ctx.cold_start and ctx.context_applied == 1 and len(ctx.items) == 5
+
+
+def test_inspect_user(stub) -> None:
+    info = stub.InspectUser(rank_pb2.InspectUserRequest(user_id="user0"), timeout=TIMEOUT)
+    assert info.known and info.position == 40 and info.total_blocks == 4
+    assert info.model_version == "test-model"
+    none = stub.InspectUser(rank_pb2.InspectUserRequest(user_id="nobody"), timeout=TIMEOUT)
+    assert not none.known and none.position == 0
+
+
+MALFORMED = {
+    "empty user": (rank_pb2.RankRequest(user_id="", k=3), "user_id is empty"),
+    "k zero": (rank_pb2.RankRequest(user_id="u", k=0), "k must be positive"),
+    "k negative": (rank_pb2.RankRequest(user_id="u", k=-4), "k must be positive"),
+    "k too large": (rank_pb2.RankRequest(user_id="u", k=1001), "server.max_k"),
+    "too many candidates": (
+        rank_pb2.RankRequest(user_id="u", k=3, candidate_item_ids=[f"x{i}" for i in range(10_001)]),
+        "server.max_candidates",
+    ),
+    "unknown candidate": (
+        rank_pb2.RankRequest(user_id="u", k=3, candidate_item_ids=["item1", "no-such-item"]),
+        "no-such-item",
+    ),
+    "duplicate candidates": (
+        rank_pb2.RankRequest(user_id="u", k=3, candidate_item_ids=["item1", "item1"]),
+        "duplicates",
+    ),
+    "oversized context": (
+        rank_pb2.RankRequest(
+            user_id="u", k=3, context=[ctx_event("item1", 10 + i) for i in range(257)]
+        ),
+        "server.max_context_events",
+    ),
+    "context without item": (
+        rank_pb2.RankRequest(user_id="u", k=3, context=[ctx_event("", 10)]),
+        "context[0].item_id is empty",
+    ),
+    "context without ts": (
+        rank_pb2.RankRequest(user_id="u", k=3, context=[ctx_event("item1", 0)]),
+        "ts_ms",
+    ),
+    "context of another user": (
+        rank_pb2.RankRequest(user_id="u", k=3, context=[ctx_event("item1", 10, user="v")]),
+        "differs",
+    ),
+    "context out of order": (
+        rank_pb2.RankRequest(
+            user_id="u", k=3, context=[ctx_event("item1", 20), ctx_event("item2", 10)]
+        ),
+        "oldest first",
+    ),
+    "context bad action": (
+        rank_pb2.RankRequest(
+            user_id="u",
+            k=3,
+            context=[event_pb2.Event(item_id="item1", ts_ms=10, action=42)],  # type: ignore[arg-type]
+        ),
+        "unknown action",
+    ),
+    "context nan value": (
+        rank_pb2.RankRequest(
+            user_id="u",
+            k=3,
+            context=[event_pb2.Event(item_id="item1", ts_ms=10, value=float("nan"))],
+        ),
+        "finite",
+    ),
+    "replay notes over limit": (
+        rank_pb2.RankRequest(
+            user_id="u", k=3, replay=rank_pb2.ReplayOptions(enabled=True, notes=33)
+        ),
+        "server.max_replay_notes",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_request_is_invalid_argument(stub, case: str) -> None:
+    request, fragment = MALFORMED[case]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Rank(request, timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in err.value.details()
+
+
+def test_inspect_empty_user_is_invalid_argument(stub) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.InspectUser(rank_pb2.InspectUserRequest(user_id=""), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_health_serving_and_reflection_lists_service(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "recmem.v1.RecMem"):
+        res = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT)
+        assert res.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = refl.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT
+    )
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"recmem.v1.RecMem", "grpc.health.v1.Health"} <= names
+
+
+def test_concurrent_requests_are_micro_batched(env: RankEnv) -> None:
+    env.cfg.server.batch_window_ms = 300.0
+    srv = start(env)
+    env.cfg.server.batch_window_ms = 2.0
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = rank_pb2_grpc.RecMemStub(ch)
+            stub.Rank(rank_pb2.RankRequest(user_id="user0", k=1), timeout=TIMEOUT)  # warm up
+            barrier = threading.Barrier(12)
+            results: list[rank_pb2.RankResponse] = []
+
+            def call(i: int) -> None:
+                barrier.wait()
+                req = rank_pb2.RankRequest(user_id=f"user{i % 6}", k=3)
+                results.append(stub.Rank(req, timeout=TIMEOUT))
+
+            threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(TIMEOUT)
+        assert len(results) == 12
+        assert srv.batcher.requests == 13
+        assert srv.batcher.largest_batch > 1
+        assert srv.batcher.batches < 13
+    finally:
+        srv.stop(grace=1.0)
+
+
+def test_bearer_token_required_and_accepted(env: RankEnv) -> None:
+    env.cfg.server.auth_token = "s3cret"
+    try:
+        srv = start(env)
+    finally:
+        env.cfg.server.auth_token = ""
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = rank_pb2_grpc.RecMemStub(ch)
+            req = rank_pb2.RankRequest(user_id="user0", k=2)
+            for metadata in ((), (("authorization", "Bearer wrong"),)):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Rank(req, timeout=TIMEOUT, metadata=metadata)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            ok = stub.Rank(req, timeout=TIMEOUT, metadata=(("authorization", "Bearer s3cret"),))
+            assert len(ok.items) == 2
+            health = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=TIMEOUT
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        srv.stop(grace=1.0)
+
+
+def self_signed(tmp: Path) -> tuple[Path, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp / "server.crt", tmp / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+def test_tls_with_self_signed_certificate(env: RankEnv, tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    env.cfg.server.tls_cert, env.cfg.server.tls_key = str(cert), str(key)
+    try:
+        srv = start(env)
+    finally:
+        env.cfg.server.tls_cert = env.cfg.server.tls_key = ""
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        options = [("grpc.ssl_target_name_override", "localhost")]
+        with grpc.secure_channel(f"127.0.0.1:{srv.port}", creds, options=options) as ch:
+            res = rank_pb2_grpc.RecMemStub(ch).Rank(
+                rank_pb2.RankRequest(user_id="user0", k=3), timeout=TIMEOUT
+            )
+            assert len(res.items) == 3
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as plain:
+            with pytest.raises(grpc.RpcError) as err:
+                rank_pb2_grpc.RecMemStub(plain).Rank(
+                    rank_pb2.RankRequest(user_id="user0", k=3), timeout=5.0
+                )
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop(grace=1.0)
+
+
+def test_tls_misconfiguration_is_a_clear_error(env: RankEnv, tmp_path: Path) -> None:
+    env.cfg.server.tls_cert = str(tmp_path / "missing.crt")
+    env.cfg.server.tls_key = str(tmp_path / "missing.key")
+    try:
+        with pytest.raises(ValueError, match="file not found"):
+            start(env)
+    finally:
+        env.cfg.server.tls_cert = env.cfg.server.tls_key = ""
+
+
+def test_stop_reports_not_serving_and_refuses_new_calls(env: RankEnv) -> None:
+    srv = start(env)
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        stub = rank_pb2_grpc.RecMemStub(ch)
+        assert (
+            len(stub.Rank(rank_pb2.RankRequest(user_id="user0", k=1), timeout=TIMEOUT).items) == 1
+        )
+        srv.stop(grace=1.0)
+        assert srv.wait(timeout=5.0)
+        with pytest.raises(grpc.RpcError):
+            stub.Rank(rank_pb2.RankRequest(user_id="user0", k=1), timeout=5.0)
