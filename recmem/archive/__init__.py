@@ -1,0 +1,12 @@
+"""NoteBank archive (SPEC section 5): salient spans of each user's events, written at
+ingest, addressed with the model's own query features, routed at rank time for replay.
+
+``bank`` (NoteBank: write path, route, persistence), ``selection`` (span scoring, pure),
+``index`` (per-user FAISS address index), ``store`` (notes and open chunks), ``persist``
+(flat-array checkpoint form). Design notes: docs/archive.md.
+"""
+
+from recmem.archive.bank import NoteBank, check_archive_config
+from recmem.archive.store import Note, ReplayEvents, replay_events
+
+__all__ = ["Note", "NoteBank", "ReplayEvents", "check_archive_config", "replay_events"]

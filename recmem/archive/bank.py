@@ -1,0 +1,339 @@
+"""NoteBank: per-user archive of salient event spans, written at ingest and routed at rank
+time (SPEC section 5; docs/archive.md has the design decisions)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from recmem.archive.index import UserAddressIndex, gpu_resources
+from recmem.archive.persist import pack_users, unpack_users
+from recmem.archive.selection import (
+    address_coords,
+    distinctiveness,
+    l2_normalise,
+    select_spans,
+    span_addresses,
+)
+from recmem.archive.store import Note, PendingEvents, UserArchive
+from recmem.config import ArchiveConfig
+
+log = logging.getLogger(__name__)
+
+
+def _numpy(x: Any, dtype: Any) -> np.ndarray:
+    """numpy view of a numpy array, torch tensor (any device) or sequence."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=dtype)
+
+
+def check_archive_config(cfg: ArchiveConfig) -> None:
+    """ValueError naming the first archive setting that cannot work."""
+    checks = [
+        (cfg.chunk_events >= 1, "archive.chunk_events must be >= 1"),
+        (1 <= cfg.window <= cfg.chunk_events, "archive.window must be in 1..chunk_events"),
+        (cfg.spans_per_chunk >= 1, "archive.spans_per_chunk must be >= 1"),
+        (cfg.max_span >= 1, "archive.max_span must be >= 1"),
+        (cfg.session_gap_s >= 0, "archive.session_gap_s must be >= 0"),
+        (cfg.address_dim >= 1, "archive.address_dim must be >= 1"),
+        (cfg.notes_per_user >= 1, "archive.notes_per_user must be >= 1"),
+        (cfg.replay_notes >= 0, "archive.replay_notes must be >= 0"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+
+
+class NoteBank:
+    """Notes of many users with one FAISS address index per user.
+
+    ``key_dim`` is K and ``n_channels`` is C_ch = L * H (channel c = layer * H + head, the
+    row-major flattening of the model's [L, H] axes). ``seed`` fixes the coordinate
+    selection P (stored in the state and checked on load). ``use_gpu``: None = a GPU index
+    when faiss has GPU support and sees a device. All methods are thread-safe.
+    """
+
+    def __init__(
+        self,
+        cfg: ArchiveConfig,
+        key_dim: int,
+        n_channels: int,
+        seed: int = 0,
+        *,
+        use_gpu: bool | None = None,
+    ) -> None:
+        check_archive_config(cfg)
+        if key_dim < 1 or n_channels < 1:
+            raise ValueError("key_dim and n_channels must be >= 1")
+        self.cfg = cfg
+        self.key_dim = key_dim
+        self.n_channels = n_channels
+        self.coords = address_coords(key_dim, cfg.address_dim, seed)
+        self._gpu = gpu_resources(use_gpu)
+        self._users: dict[str, UserArchive] = {}
+        self._indexes: dict[str, UserAddressIndex] = {}
+        self._lock = threading.RLock()
+
+    # ---- write path -------------------------------------------------------------------
+
+    def address(self, q: Any) -> np.ndarray:
+        """u = P q: [..., C_ch, K] (or [..., L, H, K]) queries -> [..., C_ch, d_rho]."""
+        arr = _numpy(q, np.float32)
+        if arr.shape[-1] != self.key_dim:
+            raise ValueError(f"queries end in {arr.shape[-1]} dims, key_dim is {self.key_dim}")
+        return arr[..., self.coords]
+
+    def _channels(self, x: Any, n: int, what: str) -> np.ndarray:
+        arr = _numpy(x, np.float32)
+        if arr.ndim >= 2 and arr.shape[0] == n and arr.shape[-1] == self.key_dim:
+            arr = arr.reshape(n, -1, self.key_dim)
+        if arr.shape != (n, self.n_channels, self.key_dim):
+            raise ValueError(
+                f"{what} must be [{n}, {self.n_channels}, {self.key_dim}] "
+                f"(or [{n}, L, H, {self.key_dim}]), got {list(arr.shape)}"
+            )
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"{what} has non-finite values")
+        return arr
+
+    def observe(
+        self,
+        user_id: str,
+        items: Any,
+        item_ids: Sequence[str],
+        actions: Any,
+        ts_ms: Any,
+        positions: Any,
+        k: Any,
+        q: Any,
+    ) -> int:
+        """Buffer one user's new events (in order; k, q: the masked normalised keys and
+        queries [T, C_ch, K] or [T, L, H, K]) and write notes for every chunk of
+        ``chunk_events`` that closes. Returns the number of notes written."""
+        items_a = _numpy(items, np.int64).reshape(-1)
+        n = len(items_a)
+        ev = [_numpy(x, np.int64).reshape(-1) for x in (actions, ts_ms, positions)]
+        ids = [str(i) for i in item_ids]
+        if any(len(x) != n for x in ev) or len(ids) != n:
+            raise ValueError("items, item_ids, actions, ts_ms and positions differ in length")
+        if n == 0:
+            return 0
+        new = PendingEvents(
+            items_a,
+            ids,
+            ev[0],
+            ev[1],
+            ev[2],
+            self._channels(k, n, "keys"),
+            self.address(self._channels(q, n, "queries")),
+        )
+        with self._lock:
+            ua = self._users.get(user_id)
+            last = ua.last_position if ua is not None else -1
+            if np.any(np.diff(np.concatenate([[last], new.positions])) <= 0):
+                raise ValueError(
+                    f"user {user_id!r}: positions must increase (last seen {last}, "
+                    f"got {new.positions[:4].tolist()}...)"
+                )
+            if ua is None:
+                ua = UserArchive(
+                    PendingEvents.empty(self.n_channels, self.key_dim, len(self.coords))
+                )
+                self._users[user_id] = ua
+            ua.pending.append(new)
+            ua.last_position = int(new.positions[-1])
+            written: list[Note] = []
+            while len(ua.pending) >= self.cfg.chunk_events:
+                written += self._close_chunk(ua, ua.pending.take(self.cfg.chunk_events))
+            if written:
+                self._store(user_id, ua, written)
+            return len(written)
+
+    def observe_batch(
+        self,
+        user_ids: Sequence[str],
+        items: Any,
+        item_ids: Sequence[Sequence[str]],
+        actions: Any,
+        ts_ms: Any,
+        positions: Any,
+        lengths: Any,
+        k: Any,
+        q: Any,
+    ) -> int:
+        """``observe`` for a right-padded batch: [B, T] event arrays, ``lengths`` [B],
+        k, q [B, T, L, H, K] (as the model's advance returns them; moved off the device
+        once). ``item_ids[b]`` lists user b's valid events only. Returns notes written."""
+        arrays = [_numpy(x, np.int64) for x in (items, actions, ts_ms, positions)]
+        lens = _numpy(lengths, np.int64).reshape(-1)
+        k_a, q_a = _numpy(k, np.float32), _numpy(q, np.float32)
+        if len(user_ids) != len(lens) or len(item_ids) != len(lens):
+            raise ValueError("user_ids, item_ids and lengths differ in batch size")
+        it, ac, ts, po = arrays
+        total = 0
+        for b, uid in enumerate(user_ids):
+            n = int(lens[b])
+            if n:
+                total += self.observe(
+                    uid, it[b, :n], item_ids[b], ac[b, :n], ts[b, :n], po[b, :n],
+                    k_a[b, :n], q_a[b, :n],
+                )  # fmt: skip
+        return total
+
+    def _close_chunk(self, ua: UserArchive, chunk: PendingEvents) -> list[Note]:
+        d = distinctiveness(chunk.k)
+        spans = select_spans(
+            d.sum(axis=1),
+            chunk.ts_ms,
+            window=self.cfg.window,
+            n_spans=self.cfg.spans_per_chunk,
+            max_span=self.cfg.max_span,
+            gap_ms=self.cfg.session_gap_s * 1000.0,
+        )
+        notes = []
+        for start, end in spans:
+            notes.append(
+                Note(
+                    serial=ua.n_written,
+                    items=chunk.items[start:end].copy(),
+                    item_ids=tuple(chunk.item_ids[start:end]),
+                    actions=chunk.actions[start:end].copy(),
+                    ts_ms=chunk.ts_ms[start:end].copy(),
+                    positions=chunk.positions[start:end].copy(),
+                    addresses=span_addresses(d, chunk.u, start, end),
+                )
+            )
+            ua.n_written += 1
+        return notes
+
+    def _store(self, user_id: str, ua: UserArchive, written: list[Note]) -> None:
+        ua.notes.extend(written)
+        index = self._indexes.get(user_id)
+        if index is None:
+            index = self._indexes[user_id] = self._new_index()
+        excess = len(ua.notes) - self.cfg.notes_per_user
+        if excess > 0:
+            del ua.notes[:excess]
+            index.rebuild(ua.addresses())
+        else:
+            index.add(np.stack([n.addresses for n in written]))
+
+    def _new_index(self) -> UserAddressIndex:
+        return UserAddressIndex(self.n_channels, len(self.coords), self._gpu)
+
+    # ---- route ------------------------------------------------------------------------
+
+    def route(self, user_id: str, q: Any, r: int | None = None) -> list[Note]:
+        """Top-``r`` notes for queries q~ [n, C_ch, K] (or [n, L, H, K], or one position
+        [C_ch, K]); see ``route_addresses``."""
+        arr = _numpy(q, np.float32)
+        merge_lh = arr.ndim >= 3 and arr.shape[-2] != self.n_channels
+        if merge_lh and arr.shape[-3] * arr.shape[-2] == self.n_channels:  # [..., L, H, K]
+            arr = arr.reshape(*arr.shape[:-3], self.n_channels, arr.shape[-1])
+        if arr.ndim not in (2, 3) or arr.shape[-2] != self.n_channels:
+            raise ValueError(
+                f"queries must be [n, {self.n_channels}, K] or [n, L, H, K], got {list(arr.shape)}"
+            )
+        return self.route_addresses(user_id, self.address(arr), r)
+
+    def route_addresses(self, user_id: str, u: Any, r: int | None = None) -> list[Note]:
+        """Each channel votes for the user's note whose address is the most cosine-similar
+        to any of its query addresses u [n, C_ch, d_rho] (max over the n query positions);
+        channels whose queries are all zero abstain. The ``r`` notes (default
+        archive.replay_notes) with the most votes, more recent first on equal votes, are
+        returned in chronological order with ``votes`` set; notes without votes never are.
+        A user without notes gets []."""
+        r = self.cfg.replay_notes if r is None else r
+        if r < 0:
+            raise ValueError(f"r must be >= 0, got {r}")
+        u_a = _numpy(u, np.float32)
+        if u_a.ndim == 2:
+            u_a = u_a[None]
+        if u_a.ndim != 3 or u_a.shape[1:] != (self.n_channels, len(self.coords)):
+            raise ValueError(
+                f"query addresses must be [n, {self.n_channels}, {len(self.coords)}], "
+                f"got {list(u_a.shape)}"
+            )
+        if not np.all(np.isfinite(u_a)):
+            raise ValueError("query addresses have non-finite values")
+        unit = l2_normalise(u_a)
+        live = np.linalg.norm(unit, axis=-1) > 0
+        with self._lock:
+            ua = self._users.get(user_id)
+            if r == 0 or ua is None or not ua.notes or not live.any():
+                return []
+            rows, sims = self._indexes[user_id].best_notes(unit)
+            notes = list(ua.notes)
+        sims = np.where(live & (rows >= 0), sims, -np.inf)
+        best_tau = np.argmax(sims, axis=0)
+        ch = np.arange(self.n_channels)
+        voters = np.isfinite(sims[best_tau, ch])
+        votes = np.bincount(rows[best_tau, ch][voters], minlength=len(notes))
+        ranked = sorted(np.flatnonzero(votes), key=lambda i: (-votes[i], -i))[:r]
+        return [replace(notes[i], votes=int(votes[i])) for i in sorted(ranked)]
+
+    # ---- inspection -------------------------------------------------------------------
+
+    def users(self) -> list[str]:
+        """Users with archive state (notes or buffered events)."""
+        with self._lock:
+            return list(self._users)
+
+    def notes(self, user_id: str) -> list[Note]:
+        """The user's notes, chronological (oldest first)."""
+        with self._lock:
+            ua = self._users.get(user_id)
+            return list(ua.notes) if ua is not None else []
+
+    def note_count(self, user_id: str) -> int:
+        with self._lock:
+            ua = self._users.get(user_id)
+            return len(ua.notes) if ua is not None else 0
+
+    def pending_count(self, user_id: str) -> int:
+        """Events buffered in the user's open chunk."""
+        with self._lock:
+            ua = self._users.get(user_id)
+            return len(ua.pending) if ua is not None else 0
+
+    # ---- persistence ------------------------------------------------------------------
+
+    def state_for_users(self, user_ids: Iterable[str]) -> dict[str, np.ndarray]:
+        """The archive state of ``user_ids`` (notes, addresses, open chunks) as flat numpy
+        arrays; users without archive state are left out."""
+        with self._lock:
+            users = [(u, self._users[u]) for u in dict.fromkeys(user_ids) if u in self._users]
+            return pack_users(users, self.coords, self.key_dim, self.n_channels)
+
+    def load_users(self, state: Mapping[str, np.ndarray]) -> int:
+        """Replace the archive of every user in ``state`` (from ``state_for_users``) and
+        rebuild their indexes. Validates all of it first: on ValueError nothing changed.
+        Returns the number of users loaded."""
+        users = unpack_users(state, self.coords, self.key_dim, self.n_channels)
+        with self._lock:
+            for uid, ua in users:
+                if len(ua.notes) > self.cfg.notes_per_user:
+                    del ua.notes[: len(ua.notes) - self.cfg.notes_per_user]
+                self._users[uid] = ua
+                index = self._new_index()
+                if ua.notes:
+                    index.rebuild(ua.addresses())
+                self._indexes[uid] = index
+        log.debug("NoteBank: loaded %d users", len(users))
+        return len(users)
+
+    def drop_users(self, user_ids: Iterable[str]) -> int:
+        """Forget these users' archives (e.g. after their partition moved away)."""
+        dropped = 0
+        with self._lock:
+            for uid in user_ids:
+                if self._users.pop(uid, None) is not None:
+                    dropped += 1
+                self._indexes.pop(uid, None)
+        return dropped

@@ -1,0 +1,133 @@
+"""What the archive keeps per user: notes (raw events + addresses), the open chunk's
+buffered events, and the helpers that hand notes to replay."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Note:
+    """One archived span of a user's events, in event order.
+
+    serial: the note's number among all notes ever written for this user (0, 1, ...), so
+    a larger serial is a more recent note; items: encoded item indices; item_ids: the raw
+    item id strings; actions: action indices; ts_ms: event times; positions: the events'
+    lifetime positions; addresses: [C_ch, d_rho] unit addresses rho_c = P q_{t*, c}
+    (all-zero where the query had no selected coordinate open); votes: channels that voted
+    for the note in the route that returned it (0 for a stored note).
+    """
+
+    serial: int
+    items: np.ndarray
+    item_ids: tuple[str, ...]
+    actions: np.ndarray
+    ts_ms: np.ndarray
+    positions: np.ndarray
+    addresses: np.ndarray
+    votes: int = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(frozen=True)
+class ReplayEvents:
+    """The routed notes' raw events concatenated in chronological order, ready to replay."""
+
+    items: np.ndarray
+    item_ids: tuple[str, ...]
+    actions: np.ndarray
+    ts_ms: np.ndarray
+    positions: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def replay_events(notes: list[Note]) -> ReplayEvents:
+    """Concatenate ``notes`` (already chronological, as ``NoteBank.route`` returns them)."""
+
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    return ReplayEvents(
+        items=cat([n.items for n in notes]),
+        item_ids=tuple(i for n in notes for i in n.item_ids),
+        actions=cat([n.actions for n in notes]),
+        ts_ms=cat([n.ts_ms for n in notes]),
+        positions=cat([n.positions for n in notes]),
+    )
+
+
+@dataclass
+class PendingEvents:
+    """Events of the user's open chunk (not yet closed), with what the write path needs of
+    them later: keys k [n, C_ch, K] and projected queries u = P q [n, C_ch, d_rho]."""
+
+    items: np.ndarray
+    item_ids: list[str]
+    actions: np.ndarray
+    ts_ms: np.ndarray
+    positions: np.ndarray
+    k: np.ndarray
+    u: np.ndarray
+
+    @classmethod
+    def empty(cls, n_channels: int, key_dim: int, address_dim: int) -> PendingEvents:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(
+            items=z,
+            item_ids=[],
+            actions=z,
+            ts_ms=z,
+            positions=z,
+            k=np.zeros((0, n_channels, key_dim), np.float32),
+            u=np.zeros((0, n_channels, address_dim), np.float32),
+        )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def append(self, other: PendingEvents) -> None:
+        self.items = np.concatenate([self.items, other.items])
+        self.item_ids = self.item_ids + other.item_ids
+        self.actions = np.concatenate([self.actions, other.actions])
+        self.ts_ms = np.concatenate([self.ts_ms, other.ts_ms])
+        self.positions = np.concatenate([self.positions, other.positions])
+        self.k = np.concatenate([self.k, other.k])
+        self.u = np.concatenate([self.u, other.u])
+
+    def take(self, n: int) -> PendingEvents:
+        """Remove and return the first ``n`` events."""
+        head = PendingEvents(
+            self.items[:n],
+            self.item_ids[:n],
+            self.actions[:n],
+            self.ts_ms[:n],
+            self.positions[:n],
+            self.k[:n],
+            self.u[:n],
+        )
+        self.items, self.item_ids = self.items[n:], self.item_ids[n:]
+        self.actions, self.ts_ms = self.actions[n:], self.ts_ms[n:]
+        self.positions, self.k, self.u = self.positions[n:], self.k[n:], self.u[n:]
+        return head
+
+
+@dataclass
+class UserArchive:
+    """One user's archive: notes in chronological order (oldest first), the count of notes
+    ever written (serial of the next note), the open chunk, and the lifetime position of
+    the latest event seen (-1 before the first)."""
+
+    pending: PendingEvents
+    notes: list[Note] = field(default_factory=list)
+    n_written: int = 0
+    last_position: int = -1
+
+    def addresses(self) -> np.ndarray:
+        """[n_notes, C_ch, d_rho] addresses of the notes, chronological."""
+        return np.stack([n.addresses for n in self.notes])

@@ -1,0 +1,243 @@
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from recmem.archive import NoteBank, replay_events
+from recmem.archive.selection import l2_normalise
+from recmem.config import ArchiveConfig
+
+L, H, K = 2, 2, 16
+CH = L * H
+
+
+def small_cfg(**kw) -> ArchiveConfig:
+    base = dict(
+        chunk_events=16,
+        window=2,
+        spans_per_chunk=2,
+        max_span=3,
+        session_gap_s=0.0,
+        address_dim=8,
+        notes_per_user=64,
+        replay_notes=2,
+    )
+    base.update(kw)
+    return ArchiveConfig(**base)
+
+
+@dataclass
+class Stream:
+    """One user's events with their keys and queries."""
+
+    items: np.ndarray
+    item_ids: list[str]
+    actions: np.ndarray
+    ts_ms: np.ndarray
+    positions: np.ndarray
+    k: np.ndarray
+    q: np.ndarray
+
+    def part(self, a: int, b: int) -> tuple:
+        return (
+            self.items[a:b],
+            self.item_ids[a:b],
+            self.actions[a:b],
+            self.ts_ms[a:b],
+            self.positions[a:b],
+            self.k[a:b],
+            self.q[a:b],
+        )
+
+
+def make_stream(n: int, seed: int, planted: tuple[int, ...] = (), start: int = 1) -> Stream:
+    """Near-constant keys per channel (random keys at ``planted`` events), random queries."""
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=(1, CH, K))
+    k = base + 0.02 * rng.normal(size=(n, CH, K))
+    for t in planted:
+        k[t] = rng.normal(size=(CH, K))
+    items = rng.integers(0, 1000, size=n) + 1000 * seed
+    return Stream(
+        items=items,
+        item_ids=[f"u{seed}-i{i}" for i in items],
+        actions=rng.integers(0, 6, size=n),
+        ts_ms=1_700_000_000_000 + np.arange(n) * 60_000,
+        positions=np.arange(start, start + n),
+        k=l2_normalise(k),
+        q=l2_normalise(rng.normal(size=(n, CH, K))),
+    )
+
+
+def test_chunk_close_writes_notes_around_planted_events():
+    bank = NoteBank(small_cfg(), K, CH, seed=0)
+    s = make_stream(20, seed=1, planted=(5, 12))
+    assert bank.observe("a", *s.part(0, 15)) == 0
+    assert bank.pending_count("a") == 15 and bank.note_count("a") == 0
+    assert bank.observe("a", *s.part(15, 20)) == 2
+    assert bank.pending_count("a") == 4
+    notes = bank.notes("a")
+    assert [n.serial for n in notes] == [0, 1]
+    assert 5 + 1 in notes[0].positions and 12 + 1 in notes[1].positions
+    for n in notes:
+        assert 1 <= len(n) <= 3
+        idx = n.positions - 1
+        assert np.array_equal(n.items, s.items[idx]) and np.array_equal(n.ts_ms, s.ts_ms[idx])
+        assert np.array_equal(n.actions, s.actions[idx])
+        assert n.item_ids == tuple(s.item_ids[i] for i in idx)
+
+
+def test_note_address_is_p_q_at_channel_most_distinctive_event():
+    bank = NoteBank(small_cfg(spans_per_chunk=1, max_span=1, window=1), K, CH, seed=4)
+    s = make_stream(16, seed=2, planted=(9,))
+    bank.observe("a", *s.part(0, 16))
+    (note,) = bank.notes("a")
+    assert note.positions.tolist() == [10]
+    expected = l2_normalise(s.q[9][:, bank.coords])
+    np.testing.assert_allclose(note.addresses, expected, rtol=1e-6)
+
+
+def test_route_returns_planted_note_for_its_address():
+    bank = NoteBank(small_cfg(), K, CH, seed=0)
+    s = make_stream(64, seed=3, planted=(3, 20, 40, 60))
+    bank.observe("a", *s.part(0, 64))
+    notes = bank.notes("a")
+    assert len(notes) == 8
+    target = notes[5]
+    (routed,) = bank.route_addresses("a", target.addresses, r=1)
+    assert routed.serial == target.serial and routed.votes == CH
+    q = np.zeros((CH, K), np.float32)
+    q[:, bank.coords] = target.addresses
+    assert [n.serial for n in bank.route("a", q, r=1)] == [target.serial]
+    assert [n.serial for n in bank.route("a", torch.from_numpy(q).view(L, H, K), r=1)] == [
+        target.serial
+    ]
+
+
+def test_votes_top_r_and_chronological_order():
+    bank = NoteBank(small_cfg(), K, CH, seed=0)
+    s = make_stream(64, seed=5, planted=(3, 20, 40, 60))
+    bank.observe("a", *s.part(0, 64))
+    notes = bank.notes("a")
+    # channel 0, 1: note 6; channel 2: note 1; channel 3: note 4 -> votes 2, 1, 1
+    u = np.stack([notes[6].addresses[0], notes[6].addresses[1], notes[1].addresses[2],
+                  notes[4].addresses[3]])  # fmt: skip
+    routed = bank.route_addresses("a", u, r=2)
+    # the 1-1 tie between notes 1 and 4 goes to the more recent note 4; chronological output
+    assert [n.serial for n in routed] == [4, 6]
+    assert [n.votes for n in routed] == [1, 2]
+    assert [n.serial for n in bank.route_addresses("a", u, r=10)] == [1, 4, 6]
+    ev = replay_events(bank.route_addresses("a", u, r=10))
+    assert np.all(np.diff(ev.positions) > 0)
+    assert len(ev) == sum(len(notes[i]) for i in (1, 4, 6))
+
+
+def test_each_channel_votes_once_with_max_over_query_positions():
+    bank = NoteBank(small_cfg(), K, CH, seed=0)
+    s = make_stream(32, seed=6, planted=(3, 20))
+    bank.observe("a", *s.part(0, 32))
+    notes = bank.notes("a")
+    u = np.stack([notes[0].addresses, notes[2].addresses])
+    u[1, :3] = 0.0  # channels 0..2 vote from position 0, channel 3 from position 1
+    u[0, 3] = 0.0
+    routed = bank.route_addresses("a", u, r=4)
+    assert {n.serial: n.votes for n in routed} == {0: 3, 2: 1}
+    assert bank.route_addresses("a", np.zeros((2, CH, 8)), r=4) == []
+
+
+def test_user_isolation_and_unknown_user():
+    bank = NoteBank(small_cfg(), K, CH, seed=0)
+    a, b = make_stream(32, seed=7, planted=(4,)), make_stream(32, seed=8, planted=(9,))
+    bank.observe("a", *a.part(0, 32))
+    bank.observe("b", *b.part(0, 32))
+    for note in bank.notes("b"):
+        routed = bank.route_addresses("a", note.addresses, r=4)
+        assert routed and all(set(n.item_ids) <= set(a.item_ids) for n in routed)
+    assert bank.route_addresses("nobody", bank.notes("b")[0].addresses) == []
+    assert bank.route("nobody", a.q[:2]) == []
+
+
+def test_cap_evicts_oldest_and_index_follows():
+    bank = NoteBank(small_cfg(notes_per_user=3), K, CH, seed=0)
+    s = make_stream(48, seed=9, planted=(2, 18, 34))
+    written = bank.observe("a", *s.part(0, 48))
+    assert written == 6
+    notes = bank.notes("a")
+    assert [n.serial for n in notes] == [3, 4, 5]
+    for n in notes:
+        assert bank.route_addresses("a", n.addresses, r=1)[0].serial == n.serial
+    s2 = make_stream(16, seed=10, start=49)
+    bank.observe("a", *s2.part(0, 16))
+    assert [n.serial for n in bank.notes("a")] == [5, 6, 7]
+
+
+def test_buffering_one_event_at_a_time_equals_all_at_once():
+    s = make_stream(70, seed=11, planted=(5, 30, 50))
+    whole, single, mixed = (NoteBank(small_cfg(), K, CH, seed=0) for _ in range(3))
+    whole.observe("a", *s.part(0, 70))
+    for t in range(70):
+        single.observe("a", *s.part(t, t + 1))
+    for a, b in [(0, 3), (3, 20), (20, 21), (21, 70)]:
+        mixed.observe("a", *s.part(a, b))
+    ref = whole.notes("a")
+    assert len(ref) == 8
+    for other in (single, mixed):
+        got = other.notes("a")
+        assert [n.positions.tolist() for n in got] == [n.positions.tolist() for n in ref]
+        for x, y in zip(got, ref):
+            np.testing.assert_array_equal(x.addresses, y.addresses)
+        assert other.pending_count("a") == whole.pending_count("a") == 70 - 64
+
+
+def test_observe_batch_matches_per_user_observe():
+    streams = [make_stream(40, seed=s, planted=(7,)) for s in (12, 13)]
+    lengths = [40, 25]
+    T = 40
+    pad = np.zeros((2, T), dtype=np.int64)
+    items, actions, ts, pos = pad.copy(), pad.copy(), pad.copy(), pad.copy()
+    k = np.zeros((2, T, L, H, K), np.float32)
+    q = np.zeros_like(k)
+    for b, (s, n) in enumerate(zip(streams, lengths)):
+        items[b, :n], actions[b, :n], ts[b, :n] = s.items[:n], s.actions[:n], s.ts_ms[:n]
+        pos[b, :n] = s.positions[:n]
+        k[b, :n], q[b, :n] = s.k[:n].reshape(n, L, H, K), s.q[:n].reshape(n, L, H, K)
+    batch = NoteBank(small_cfg(), K, CH, seed=0)
+    ids = [s.item_ids[:n] for s, n in zip(streams, lengths)]
+    written = batch.observe_batch(
+        ["x", "y"], torch.from_numpy(items), ids, actions, ts, pos, lengths,
+        torch.from_numpy(k), torch.from_numpy(q),
+    )  # fmt: skip
+    single = NoteBank(small_cfg(), K, CH, seed=0)
+    assert written == sum(
+        single.observe(u, *s.part(0, n)) for u, s, n in zip("xy", streams, lengths)
+    )
+    for u in "xy":
+        assert [n.positions.tolist() for n in batch.notes(u)] == [
+            n.positions.tolist() for n in single.notes(u)
+        ]
+        assert batch.pending_count(u) == single.pending_count(u)
+
+
+def test_bad_input_is_rejected_without_changing_state():
+    bank = NoteBank(small_cfg(), K, CH, seed=0)
+    s = make_stream(20, seed=14)
+    bank.observe("a", *s.part(0, 10))
+    with pytest.raises(ValueError, match="positions must increase"):
+        bank.observe("a", *s.part(5, 12))
+    assert bank.pending_count("a") == 10
+    bad = list(s.part(10, 12))
+    bad[5] = np.zeros((2, CH + 1, K))
+    with pytest.raises(ValueError, match="keys must be"):
+        bank.observe("a", *bad)
+    bad = list(s.part(10, 12))
+    bad[1] = ["only-one"]
+    with pytest.raises(ValueError, match="differ in length"):
+        bank.observe("a", *bad)
+    with pytest.raises(ValueError, match="query addresses"):
+        bank.route_addresses("a", np.zeros((1, CH, 3)))
+    with pytest.raises(ValueError, match="window"):
+        NoteBank(small_cfg(window=100), K, CH)
+    with pytest.raises(ValueError, match="address_dim"):
+        NoteBank(small_cfg(address_dim=K + 1), K, CH)
+    assert bank.pending_count("a") == 10

@@ -1,0 +1,63 @@
+import numpy as np
+import pytest
+
+from recmem.archive.index import UserAddressIndex, block_queries, gpu_resources
+from recmem.archive.selection import l2_normalise
+
+
+def test_best_notes_match_brute_force_per_channel_cosine():
+    rng = np.random.default_rng(0)
+    n_notes, ch, dim = 30, 5, 6
+    rho = l2_normalise(rng.normal(size=(n_notes, ch, dim)))
+    u = l2_normalise(rng.normal(size=(7, ch, dim)))
+    index = UserAddressIndex(ch, dim)
+    index.add(rho[:10])
+    index.add(rho[10:])
+    assert index.size == n_notes
+    rows, sims = index.best_notes(u)
+    cos = np.einsum("tcd,ncd->tcn", u, rho)  # [query, channel, note]
+    np.testing.assert_array_equal(rows, cos.argmax(axis=-1))
+    np.testing.assert_allclose(sims, cos.max(axis=-1), atol=1e-5)
+
+
+def test_a_channel_never_matches_another_channels_address():
+    ch, dim = 3, 4
+    rho = np.zeros((2, ch, dim), np.float32)
+    rho[0, 1] = [1, 0, 0, 0]  # note 0 has the query's direction, but on channel 1
+    rho[1, 0] = [0.6, 0.8, 0, 0]  # note 1 is only partly aligned, on channel 0
+    index = UserAddressIndex(ch, dim)
+    index.add(rho)
+    u = np.zeros((1, ch, dim), np.float32)
+    u[0, 0] = [1, 0, 0, 0]
+    rows, sims = index.best_notes(u)
+    assert rows[0, 0] == 1 and sims[0, 0] == pytest.approx(0.6)
+
+
+def test_rebuild_and_empty_index():
+    rng = np.random.default_rng(1)
+    rho = l2_normalise(rng.normal(size=(4, 2, 3)))
+    index = UserAddressIndex(2, 3)
+    rows, _ = index.best_notes(rho[:1])
+    assert rows.tolist() == [[-1, -1]]
+    index.add(rho)
+    index.rebuild(rho[2:])
+    assert index.size == 2
+    rows, _ = index.best_notes(rho[3:4])
+    assert rows.tolist() == [[1, 1]]
+
+
+def test_block_queries_layout():
+    u = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3) + 1
+    rows, channel = block_queries(u)
+    assert rows.shape == (4, 6) and channel.tolist() == [0, 1, 0, 1]
+    np.testing.assert_array_equal(rows[3], [0, 0, 0, *u[1, 1]])
+
+
+def test_cpu_faiss_has_no_gpu_and_demanding_one_fails_clearly():
+    import faiss
+
+    if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
+        pytest.skip("this faiss has a GPU")
+    assert gpu_resources(None) is None
+    with pytest.raises(ValueError, match="GPU"):
+        gpu_resources(True)
