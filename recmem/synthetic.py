@@ -35,11 +35,11 @@ log = logging.getLogger(__name__)
 class SyntheticSpec:
     n_users: int = 2000
     n_events: int = 200_000
-    n_categories: int = 40
-    items_per_category: int = 250
-    interests_per_user: int = 3
-    mean_session_len: float = 6.0
-    p_long_term: float = 0.6
+    n_categories: int = 200
+    items_per_category: int = 100
+    interests_per_user: int = 5
+    mean_session_len: float = 2.5
+    p_long_term: float = 0.5
     p_recall: float = 0.05
     recall_gap: int = 50
     popularity_power: float = 2.0
