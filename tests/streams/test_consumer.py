@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 
 from kafka import KafkaConsumer, TopicPartition
 
+from streams.broker import free_port
 from streams.codec import make_event
 from streams.consumer import EventConsumer
 from streams.producer import EventProducer
@@ -54,9 +56,36 @@ def test_produce_consume_in_order_then_stop_commits(kafka_config):
         assert producer.send(sent, progress=False) == len(sent)
 
     sink = RecordingSink(checkpoint_every=3)
+    cfg.metrics_port = free_port()
     consumer = EventConsumer(cfg, sink)
+    resident = consumer.metrics.gauge("users_resident", "users held by the sink")
+    resident.set(12)
     thread = start(consumer)
     wait_until(lambda: len(sink.snapshot()) >= len(sent), what="all events")
+
+    def scrape() -> dict[str, float]:
+        url = f"http://127.0.0.1:{cfg.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+
+    wait_until(
+        lambda: (
+            sum(v for k, v in scrape().items() if k.startswith("recmem_ingest_consumer_lag{")) == 0
+            and any(k.startswith("recmem_ingest_consumer_lag{") for k in scrape())
+        ),
+        what="lag gauges at 0",
+    )
+    figures = scrape()
+    assert figures["recmem_ingest_events_total"] == len(sent)
+    assert figures["recmem_ingest_records_total"] == len(sent)
+    assert figures["recmem_ingest_batch_seconds_count"] >= 1
+    assert figures["recmem_ingest_users_resident"] == 12
+    assert figures["recmem_ingest_assigned_partitions"] == 3
     consumer.stop()
     thread.join(timeout=15)
     assert not thread.is_alive()
@@ -117,3 +146,62 @@ def test_restart_resumes_from_the_sinks_checkpoint(kafka_config):
     assert sorted(e.item_id for e in got if e.item_id.endswith(("-10", "-11"))) == sorted(
         f"item-{u}-{i}" for u in range(4) for i in (10, 11)
     )
+
+
+SIGTERM_SCRIPT = """
+import json, sys, time
+from recmem.config import KafkaConfig
+from streams.consumer import EventConsumer
+from tests.streams.sinks import RecordingSink
+
+class SlowSink(RecordingSink):
+    def apply_batch(self, events, next_offsets):
+        super().apply_batch(events, next_offsets)
+        print("applied", len(self.events), flush=True)
+        time.sleep(0.05)
+
+cfg = KafkaConfig(**json.loads(sys.argv[1]))
+sink = SlowSink()
+consumer = EventConsumer(cfg, sink)
+consumer.install_signal_handlers()
+consumer.run()
+ckpts = [arg for kind, arg in sink.calls if kind == "checkpoint"]
+json.dump({"applied": len(sink.events), "owned_at_stop": ckpts[-1], "last": sink.calls[-1]},
+          open(sys.argv[2], "w"))
+"""
+
+
+def test_sigterm_finishes_the_batch_checkpoints_and_commits(kafka_config, tmp_path):
+    import dataclasses
+    import json
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = kafka_config(partitions=1, max_poll_records=50)
+    with EventProducer(cfg) as producer:
+        producer.send(events_for(n_users=10, per_user=100), progress=False)
+    out = tmp_path / "result.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_SCRIPT, json.dumps(dataclasses.asdict(cfg)), str(out)],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("applied"), line
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+    result = json.loads(out.read_text())
+    # stopped early (mid-stream), but after whole batches: the checkpoint covers exactly
+    # the events applied, and the group's commit equals the checkpoint
+    assert 0 < result["applied"] < 1000
+    assert result["owned_at_stop"] == {"0": result["applied"]}
+    assert result["last"] == ["revoked", [0]]
+    assert committed(cfg, [0]) == {0: result["applied"]}
