@@ -11,6 +11,7 @@ available with a reason, never dropped.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import json
@@ -74,15 +75,59 @@ def available_models() -> dict[str, str]:
     return out
 
 
+def split_model_spec(spec: str) -> tuple[str, list[str]]:
+    """``name`` or ``name[section.field=value;...]`` -> (name, overrides): the overrides
+    apply to that model's copy of the configuration (e.g. an ablation over
+    ``memory-proteus[memory.n_blocks=4]`` and ``memory-proteus[memory.n_blocks=16]``)."""
+    spec = spec.strip()
+    if "[" not in spec:
+        return spec, []
+    if not spec.endswith("]"):
+        raise ValueError(f"model spec {spec!r}: expected name[section.field=value;...]")
+    name, _, rest = spec[:-1].partition("[")
+    overrides = [o.strip() for o in rest.split(";") if o.strip()]
+    for o in overrides:
+        if "=" not in o or "." not in o.partition("=")[0]:
+            raise ValueError(f"model spec {spec!r}: override {o!r} is not section.field=value")
+    return name.strip(), overrides
+
+
 def parse_models(spec: str) -> list[str]:
-    names = [m.strip() for m in spec.split(",") if m.strip()]
+    """Split a comma-separated model list (commas inside [...] belong to the overrides)."""
+    names, depth, cur = [], 0, ""
+    for ch in spec:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            names.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    names = [n for n in [*names, cur.strip()] if n]
     known = available_models()
-    unknown = [m for m in names if m not in known]
+    unknown = [m for m in names if split_model_spec(m)[0] not in known]
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; known: {sorted(known)}")
     if not names:
         raise ValueError("no models given")
     return names
+
+
+def model_config(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of ``cfg`` with a model spec's overrides applied (and validated)."""
+    from recmem.config import ConfigError, set_value, validate
+
+    out = copy.deepcopy(cfg)
+    for o in overrides:
+        key, _, value = o.partition("=")
+        try:
+            set_value(out, key.strip(), value.strip(), origin="model spec")
+        except ConfigError as e:
+            raise ValueError(str(e)) from e
+    try:
+        validate(out)
+    except ConfigError as e:
+        raise ValueError(str(e)) from e
+    return out
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -142,9 +187,11 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate ``models`` on the TEST targets of ``dataset``; write the outputs to ``out``."""
     known = available_models()
-    for name in models:
+    specs = {spec: split_model_spec(spec) for spec in models}
+    for name, overrides in specs.values():
         if name not in known:
             raise ValueError(f"unknown model {name!r}; known: {sorted(known)}")
+        model_config(cfg, overrides)  # fail before any work on a bad override
     split = TimeSplit.load(split_path) if split_path else load_or_build_split(cfg, dataset)
     out.mkdir(parents=True, exist_ok=True)
     entries: dict[str, dict[str, Any]] = {}
@@ -155,14 +202,14 @@ def run_eval(
         "excluded_cold_item": test_targets.excluded_cold_item,
         "excluded_first_event": test_targets.excluded_first_event,
     }
-    for name in models:
+    for spec, (name, overrides) in specs.items():
         if known[name]:
-            log.info("model %s: not available (%s)", name, known[name])
-            entries[name] = _empty_entry(known[name])
+            log.info("model %s: not available (%s)", spec, known[name])
+            entries[spec] = _empty_entry(known[name])
             continue
-        log.info("model %s: fitting on TRAIN", name)
+        log.info("model %s: fitting on TRAIN", spec)
         t0 = time.perf_counter()
-        scorer, train_seconds, model_cfg = _REGISTRY[name](split, cfg)
+        scorer, train_seconds, model_cfg = _REGISTRY[name](split, model_config(cfg, overrides))
         if train_seconds is None:
             train_seconds = time.perf_counter() - t0
         res = evaluate(scorer, split, "test", cfg.eval, return_per_target=True)
@@ -173,11 +220,13 @@ def run_eval(
             eval_seconds=float(res["eval_seconds"]),
             config=model_cfg,
         )
-        entries[name] = entry
-        by_position[name] = position_table(res["per_target"])
+        if overrides:
+            entry["config"] = {**entry["config"], "overrides": overrides}
+        entries[spec] = entry
+        by_position[spec] = position_table(res["per_target"])
         log.info(
             "model %s: TEST ndcg@10 %.4f hr@10 %.4f (n=%d)",
-            name,
+            spec,
             res["overall"]["ndcg@10"] or 0.0,
             res["overall"]["hr@10"] or 0.0,
             res["overall"]["n"],

@@ -9,7 +9,7 @@ import pytest
 from offline_eval import runner
 from offline_eval.split import TimeSplit, load_or_build_split, split_cache_path
 from recmem.cli import main
-from recmem.config import load_config
+from recmem.config import Config, load_config
 
 SET = ["--set", "data.synthetic_users=60", "--set", "data.synthetic_events=4000"]
 
@@ -80,3 +80,39 @@ def test_register_model_and_split_cache(tmp_path: Path) -> None:
         runner._REGISTRY.pop("pop-again")
     assert calls == ["synthetic"]
     assert summary["models"]["pop-again"]["train_seconds"] == 1.5
+
+
+def test_model_spec_overrides(tmp_path: Path) -> None:
+    specs = runner.parse_models(
+        "pop, pop[memory.n_blocks=4;memory.horizon=64],pop[eval.batch_users=7]"
+    )
+    assert specs == ["pop", "pop[memory.n_blocks=4;memory.horizon=64]", "pop[eval.batch_users=7]"]
+    name, overrides = runner.split_model_spec(specs[1])
+    assert name == "pop" and overrides == ["memory.n_blocks=4", "memory.horizon=64"]
+    cfg = load_config(None, [])
+    changed = runner.model_config(cfg, overrides)
+    assert (changed.memory.n_blocks, changed.memory.horizon) == (4, 64)
+    assert cfg.memory.n_blocks != 4 or cfg.memory.horizon != 64  # the original is untouched
+    with pytest.raises(ValueError):
+        runner.model_config(cfg, ["memory.n_blocks=0"])
+    with pytest.raises(ValueError):
+        runner.split_model_spec("pop[n_blocks=4]")
+    with pytest.raises(ValueError, match="unknown model"):
+        runner.parse_models("nosuch[memory.n_blocks=4]")
+
+    seen: list[int] = []
+
+    def factory(s: TimeSplit, c: Config) -> tuple[object, float, dict[str, object]]:
+        seen.append(c.memory.n_blocks)
+        return runner.make_pop(s, c)[0], 0.0, {"kind": "probe"}
+
+    runner.register_model("probe", factory)
+    try:
+        cfg = load_config(None, [*(s for s in SET if s != "--set"), f"data.cache_dir={tmp_path}"])
+        models = runner.parse_models("probe[memory.n_blocks=2],probe[memory.n_blocks=8]")
+        summary = runner.run_eval(cfg, "synthetic", models, tmp_path / "o", write_report=False)
+    finally:
+        runner._REGISTRY.pop("probe")
+    assert seen == [2, 8]
+    assert list(summary["models"]) == models
+    assert summary["models"][models[0]]["config"]["overrides"] == ["memory.n_blocks=2"]
