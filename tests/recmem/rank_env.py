@@ -1,24 +1,27 @@
 """Shared setup of the rank tests: a small freshly initialised memory model, its vocabulary
-and TRAIN popularity, and the engine/archive the Ranker reads from."""
+and TRAIN popularity, and the real engine + NoteBank (FAISS) stack fed through
+``Engine.apply`` as the Kafka ingest path would."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from models.recommender import MemoryRecommender
-from models.state import MemoryState
 from recmem.config import Config
-from recmem.ranking import Ranker, UserEvents, train_popularity
+from recmem.ranking import UserEvents, train_popularity
+from recmem.server.stack import RankStack, build_rank_stack
 from recmem.vocab import ItemVocab
+from streams.validate import ValidEvent
 
 N_ITEMS = 60
+EVENTS_PER_USER = 40
 
 
-def small_config() -> Config:
+def small_config(spill_dir: Path) -> Config:
     cfg = Config()
     cfg.memory.n_layers = 2
     cfg.memory.n_heads = 2
@@ -33,6 +36,9 @@ def small_config() -> Config:
     cfg.archive.window = 2
     cfg.archive.max_span = 4
     cfg.archive.address_dim = 8
+    cfg.state.device_capacity = 4
+    cfg.state.host_capacity = 2
+    cfg.state.spill_dir = str(spill_dir)
     cfg.server.port = 0
     cfg.kafka.max_past_ms = 0
     cfg.kafka.max_future_ms = 0
@@ -45,47 +51,7 @@ class RankEnv:
     model: MemoryRecommender
     vocab: ItemVocab
     popularity: np.ndarray
-    sources: DictSources
-    ranker: Ranker
-
-
-class DictSources:
-    """Placeholder engine + archive until recmem.engine and the NoteBank land."""
-
-    def __init__(self, model: MemoryRecommender) -> None:
-        self.model = model
-        self.states: dict[str, MemoryState] = {}
-        self.events: dict[str, UserEvents] = {}
-        self.notes: dict[str, list[UserEvents]] = {}
-
-    @torch.no_grad()
-    def ingest(self, user: str, ev: UserEvents) -> None:
-        st = self.states.get(user, self.model.init_state(1, "cpu"))
-        t = lambda a: torch.as_tensor(a, dtype=torch.int64)[None]  # noqa: E731
-        res = self.model.advance(t(ev.items), t(ev.actions), t(ev.ts_ms), t([len(ev)])[0], st)
-        self.states[user] = res.state
-        self.events[user] = UserEvents.concat([self.events.get(user, UserEvents.empty()), ev])
-        self.notes[user] = [
-            UserEvents(ev.items[i : i + 3], ev.actions[i : i + 3], ev.ts_ms[i : i + 3])
-            for i in range(0, len(ev), 8)
-        ]
-
-    def snapshot(self, user_ids: Sequence[str]) -> MemoryState:
-        parts = [self.states.get(u, self.model.init_state(1, "cpu")).clone() for u in user_ids]
-        return MemoryState(
-            torch.cat([p.S for p in parts]),
-            None if parts[0].M is None else torch.cat([p.M for p in parts]),  # type: ignore[misc]
-            torch.cat([p.pos for p in parts]),
-            torch.cat([p.last_ts for p in parts]),
-            torch.cat([p.h for p in parts]),
-        )
-
-    def recent_events(self, user_id: str, n: int) -> UserEvents:
-        ev = self.events.get(user_id, UserEvents.empty())
-        return UserEvents(ev.items[-n:], ev.actions[-n:], ev.ts_ms[-n:])
-
-    def route(self, user_id: str, queries: torch.Tensor, n_notes: int) -> list[UserEvents]:
-        return self.notes.get(user_id, [])[:n_notes]
+    stack: RankStack
 
 
 def user_events(rng: np.random.Generator, n: int, t0: int = 1_000_000) -> UserEvents:
@@ -95,18 +61,25 @@ def user_events(rng: np.random.Generator, n: int, t0: int = 1_000_000) -> UserEv
     return UserEvents(items, actions, ts)
 
 
-def make_env(n_users: int = 6, events_per_user: int = 40, seed: int = 0) -> RankEnv:
+def make_env(spill_dir: Path, n_users: int = 6, seed: int = 0) -> RankEnv:
+    """``n_users`` users named user0.. with EVENTS_PER_USER events each, ingested in
+    micro-batches of 10 events per user; the slab holds 4 users, host memory 2, so some
+    states live on disk."""
     torch.manual_seed(seed)
-    cfg = small_config()
+    cfg = small_config(spill_dir)
     vocab = ItemVocab([f"item{i}" for i in range(N_ITEMS)], cfg.model.n_oov_buckets)
     model = MemoryRecommender(N_ITEMS, cfg.model.n_oov_buckets, cfg.memory, cfg.model).eval()
     rng = np.random.default_rng(seed)
-    sources = DictSources(model)
-    seen = []
-    for u in range(n_users):
-        ev = user_events(rng, events_per_user)
-        sources.ingest(f"user{u}", ev)
-        seen.append(ev.items)
-    popularity = train_popularity(np.concatenate(seen), N_ITEMS)
-    ranker = Ranker(model, sources, popularity, query_events=cfg.server.replay_query_events)
-    return RankEnv(cfg, model, vocab, popularity, sources, ranker)
+    history = {f"user{u}": user_events(rng, EVENTS_PER_USER) for u in range(n_users)}
+    popularity = train_popularity(np.concatenate([h.items for h in history.values()]), N_ITEMS)
+    stack = build_rank_stack(cfg, model, vocab, "test-model", popularity, device="cpu")
+    for start in range(0, EVENTS_PER_USER, 10):
+        batch = [
+            ValidEvent(
+                user, f"item{h.items[i]}", int(h.ts_ms[i]), int(h.actions[i]), 1.0, None, 0, i
+            )
+            for user, h in history.items()
+            for i in range(start, start + 10)
+        ]
+        stack.engine.apply(batch)
+    return RankEnv(cfg, model, vocab, popularity, stack)

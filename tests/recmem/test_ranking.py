@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from recmem.ranking import RankQuery, UserEvents, train_popularity
-from tests.recmem.rank_env import N_ITEMS, RankEnv, make_env, user_events
+from tests.recmem.rank_env import EVENTS_PER_USER, N_ITEMS, RankEnv, make_env, user_events
 
 
 @pytest.fixture(scope="module")
-def env() -> RankEnv:
-    return make_env()
+def env(tmp_path_factory: pytest.TempPathFactory) -> RankEnv:
+    return make_env(tmp_path_factory.mktemp("spill"))
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -24,7 +24,7 @@ def _t(a: np.ndarray) -> torch.Tensor:
 @torch.no_grad()
 def expected_vector(env: RankEnv, user: str, events: UserEvents) -> torch.Tensor:
     """The user vector after ``events`` on a copy of the user's state, the obvious way."""
-    state = env.sources.snapshot([user])
+    state = env.stack.sources.snapshot([user])
     if len(events) == 0:
         return state.h[0]
     res = env.model.advance(
@@ -34,35 +34,59 @@ def expected_vector(env: RankEnv, user: str, events: UserEvents) -> torch.Tensor
 
 
 def test_rank_matches_the_user_vector_and_catalog_scores(env: RankEnv) -> None:
-    (res,) = env.ranker.rank([RankQuery("user0", k=10)])
+    (res,) = env.stack.ranker.rank([RankQuery("user0", k=10)])
     vec = expected_vector(env, "user0", UserEvents.empty())
     scores = (env.model.item_weight() @ vec).detach()
     top = torch.topk(scores, 10)
     assert res.items.tolist() == top.indices.tolist()
     np.testing.assert_allclose(res.scores, top.values.numpy(), rtol=1e-5, atol=1e-6)
-    assert res.position == 40 and not res.cold_start and res.notes_replayed == 0
+    assert res.position == EVENTS_PER_USER and not res.cold_start and res.notes_replayed == 0
 
 
 def test_context_is_applied_after_the_state(env: RankEnv) -> None:
     ctx = user_events(np.random.default_rng(5), 3, t0=10**12)
-    (res,) = env.ranker.rank([RankQuery("user1", k=N_ITEMS, context=ctx)])
+    (res,) = env.stack.ranker.rank([RankQuery("user1", k=N_ITEMS, context=ctx)])
     vec = expected_vector(env, "user1", ctx)
     scores = (env.model.item_weight() @ vec).detach().numpy()
     np.testing.assert_allclose(res.scores, scores[res.items], rtol=1e-5, atol=1e-6)
-    assert res.context_applied == 3 and res.position == 40
+    assert res.context_applied == 3 and res.position == EVENTS_PER_USER
 
 
-def test_replay_runs_notes_then_the_query_events(env: RankEnv) -> None:
-    R = 2
-    (res,) = env.ranker.rank([RankQuery("user2", k=N_ITEMS, replay_notes=R)])
-    notes = env.sources.route("user2", torch.zeros(1), R)
-    recent = env.sources.recent_events("user2", env.cfg.server.replay_query_events)
+@torch.no_grad()
+def routed_notes(env: RankEnv, user: str, query: UserEvents, r: int) -> list[UserEvents]:
+    """The route step by hand: q~ of the query events on a copy, then the NoteBank vote."""
+    res = env.model.advance(
+        _t(query.items), _t(query.actions), _t(query.ts_ms), torch.tensor([len(query)]),
+        env.stack.sources.snapshot([user]), return_kq=True,
+    )  # fmt: skip
+    assert res.kq is not None
+    notes = env.stack.bank.route(user, res.kq[1][0], r)
+    return [UserEvents(n.items, n.actions, n.ts_ms) for n in notes]
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_replay_runs_routed_notes_then_the_query_events(env: RankEnv, R: int) -> None:
+    assert env.stack.bank.note_count("user2") >= 4
+    (res,) = env.stack.ranker.rank([RankQuery("user2", k=N_ITEMS, replay_notes=R)])
+    recent = env.stack.sources.recent_events("user2", env.cfg.server.replay_query_events)
+    assert len(recent) == 1
+    notes = routed_notes(env, "user2", recent, R)
+    assert 1 <= len(notes) <= R and res.notes_replayed == len(notes)
     vec = expected_vector(env, "user2", UserEvents.concat([*notes, recent]))
     scores = (env.model.item_weight() @ vec).detach().numpy()
     np.testing.assert_allclose(res.scores, scores[res.items], rtol=1e-5, atol=1e-6)
-    assert res.notes_replayed == R
-    (off,) = env.ranker.rank([RankQuery("user2", k=N_ITEMS)])
+    (off,) = env.stack.ranker.rank([RankQuery("user2", k=N_ITEMS)])
     assert not np.allclose(np.sort(off.scores), np.sort(res.scores))
+
+
+def test_replay_with_context_routes_on_the_context(env: RankEnv) -> None:
+    ctx = user_events(np.random.default_rng(9), 3, t0=10**12)
+    (res,) = env.stack.ranker.rank([RankQuery("user4", k=N_ITEMS, replay_notes=2, context=ctx)])
+    notes = routed_notes(env, "user4", ctx, 2)
+    assert res.notes_replayed == len(notes) >= 1
+    vec = expected_vector(env, "user4", UserEvents.concat([*notes, ctx]))
+    scores = (env.model.item_weight() @ vec).detach().numpy()
+    np.testing.assert_allclose(res.scores, scores[res.items], rtol=1e-5, atol=1e-6)
 
 
 def test_micro_batch_gives_the_same_answers_as_single_requests(env: RankEnv) -> None:
@@ -83,9 +107,9 @@ def test_micro_batch_gives_the_same_answers_as_single_requests(env: RankEnv) -> 
         RankQuery("stranger2", k=5, context=user_events(rng, 4, t0=10**12)),
         RankQuery("user0", k=2, candidates=np.array([1, 2, 3], np.int64)),
     ]
-    batch = env.ranker.rank(queries)
+    batch = env.stack.ranker.rank(queries)
     for q, got in zip(queries, batch):
-        (alone,) = env.ranker.rank([q])
+        (alone,) = env.stack.ranker.rank([q])
         assert got.items.tolist() == alone.items.tolist(), q.user_id
         np.testing.assert_allclose(got.scores, alone.scores, rtol=1e-5, atol=1e-6)
         assert (got.position, got.cold_start, got.notes_replayed, got.context_applied) == (
@@ -98,7 +122,7 @@ def test_micro_batch_gives_the_same_answers_as_single_requests(env: RankEnv) -> 
 
 
 def test_cold_start_is_train_popularity_and_context_only_otherwise(env: RankEnv) -> None:
-    cold, ctx_only = env.ranker.rank(
+    cold, ctx_only = env.stack.ranker.rank(
         [
             RankQuery("new-user", k=4),
             RankQuery("new-user", k=N_ITEMS, context=user_events(np.random.default_rng(2), 3)),
@@ -107,7 +131,7 @@ def test_cold_start_is_train_popularity_and_context_only_otherwise(env: RankEnv)
     assert cold.cold_start and cold.position == 0
     np.testing.assert_allclose(cold.scores, np.sort(env.popularity)[::-1][:4])
     assert not ctx_only.cold_start and ctx_only.context_applied == 3
-    (replayed,) = env.ranker.rank([RankQuery("new-user", k=4, replay_notes=3)])
+    (replayed,) = env.stack.ranker.rank([RankQuery("new-user", k=4, replay_notes=3)])
     assert replayed.cold_start and replayed.notes_replayed == 0
 
 
@@ -118,7 +142,9 @@ def test_train_popularity_ignores_oov_indices() -> None:
 
 def test_live_state_is_unchanged_by_many_rank_calls(env: RankEnv) -> None:
     users = [f"user{u}" for u in range(6)]
-    before = env.sources.snapshot(users)
+    before = env.stack.sources.snapshot(users)
+    notes_before = [env.stack.bank.note_count(u) for u in users]
+    tails_before = [env.stack.sources.recent_events(u, 1).items.tolist() for u in users]
     rng = np.random.default_rng(3)
     for i in range(25):
         queries = [
@@ -131,8 +157,10 @@ def test_live_state_is_unchanged_by_many_rank_calls(env: RankEnv) -> None:
             )
             for j in range(4)
         ]
-        env.ranker.rank(queries)
-    after = env.sources.snapshot(users)
+        env.stack.ranker.rank(queries)
+    after = env.stack.sources.snapshot(users)
+    assert [env.stack.bank.note_count(u) for u in users] == notes_before
+    assert [env.stack.sources.recent_events(u, 1).items.tolist() for u in users] == tails_before
     for name in ("S", "M", "pos", "last_ts", "h"):
         a, b = getattr(before, name), getattr(after, name)
         assert torch.equal(a, b), name

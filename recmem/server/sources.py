@@ -1,0 +1,170 @@
+"""What the rank path reads, over the live engine: state copies (Engine.snapshot), the
+user's latest raw events (RecentEventsHook) and routed notes (NoteBank.route).
+
+``RecentEventsHook`` sits in the engine's archive seam (recmem.engine.ArchiveHook) in front
+of the NoteBank hook: it keeps each user's last few raw events, which are the routing query
+and the "question" re-read after a replay when a request carries no context (see
+recmem/ranking.py). The tails travel in the partition checkpoint next to the notes (keys
+``recent.*``), so they survive restarts like the state they belong to.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.memory.proteus import unlocked_blocks
+from models.state import MemoryState
+from recmem.engine import ArchiveHook, Engine
+from recmem.ranking import UserEvents
+from recmem.server.servicer import UserInfo
+
+_PREFIX = "recent."
+
+
+class RecentEventsHook:
+    """ArchiveHook that records every user's last ``keep`` events, then delegates."""
+
+    def __init__(self, inner: ArchiveHook | None, keep: int) -> None:
+        if keep < 1:
+            raise ValueError("RecentEventsHook keeps at least one event")
+        self.inner = inner
+        self.keep = keep
+        self._tails: dict[str, UserEvents] = {}
+        self._lock = threading.Lock()
+
+    def observe(
+        self,
+        user_ids: list[str],
+        items: np.ndarray,
+        actions: np.ndarray,
+        ts_ms: np.ndarray,
+        lengths: np.ndarray,
+        kq: tuple[torch.Tensor, torch.Tensor],
+        positions: np.ndarray,
+    ) -> None:
+        with self._lock:
+            for b, user in enumerate(user_ids):
+                n = int(lengths[b])
+                if n == 0:
+                    continue
+                new = UserEvents(items[b, :n], actions[b, :n], ts_ms[b, :n])
+                both = UserEvents.concat([self._tails.get(user, UserEvents.empty()), new])
+                k = self.keep
+                self._tails[user] = UserEvents(
+                    both.items[-k:].copy(), both.actions[-k:].copy(), both.ts_ms[-k:].copy()
+                )
+        if self.inner is not None:
+            self.inner.observe(user_ids, items, actions, ts_ms, lengths, kq, positions)
+
+    def recent(self, user_id: str, n: int) -> UserEvents:
+        with self._lock:
+            tail = self._tails.get(user_id)
+        if tail is None:
+            return UserEvents.empty()
+        return UserEvents(tail.items[-n:], tail.actions[-n:], tail.ts_ms[-n:])
+
+    def export_notes(self, user_ids: list[str]) -> dict[str, np.ndarray]:
+        out = dict(self.inner.export_notes(user_ids)) if self.inner is not None else {}
+        with self._lock:
+            tails = [self._tails.get(u, UserEvents.empty()) for u in user_ids]
+        out[_PREFIX + "lengths"] = np.array([len(t) for t in tails], dtype=np.int64)
+        joined = UserEvents.concat(tails)
+        out[_PREFIX + "items"] = joined.items
+        out[_PREFIX + "actions"] = joined.actions
+        out[_PREFIX + "ts_ms"] = joined.ts_ms
+        return out
+
+    def import_notes(self, user_ids: list[str], notes: dict[str, np.ndarray] | None) -> None:
+        rest = None
+        if notes is not None:
+            rest = {k: v for k, v in notes.items() if not k.startswith(_PREFIX)}
+            lengths = notes.get(_PREFIX + "lengths")
+            if lengths is not None:
+                if len(lengths) != len(user_ids):
+                    raise ValueError(
+                        f"checkpoint has recent events of {len(lengths)} users, "
+                        f"{len(user_ids)} users restored"
+                    )
+                ends = np.cumsum(lengths)
+                starts = ends - lengths
+                with self._lock:
+                    for user, s, e in zip(user_ids, starts, ends):
+                        if e > s:
+                            self._tails[user] = UserEvents(
+                                notes[_PREFIX + "items"][s:e].astype(np.int64),
+                                notes[_PREFIX + "actions"][s:e].astype(np.int64),
+                                notes[_PREFIX + "ts_ms"][s:e].astype(np.int64),
+                            )
+        if self.inner is not None:
+            self.inner.import_notes(user_ids, rest or None)
+
+    def drop(self, user_ids: list[str]) -> None:
+        with self._lock:
+            for user in user_ids:
+                self._tails.pop(user, None)
+        if self.inner is not None:
+            self.inner.drop(user_ids)
+
+
+class EngineSources:
+    """RankSources (recmem.ranking) over an Engine, its NoteBank and the recent-event tails.
+
+    ``lock`` is held around every read of the engine's store; the ingest side must hold the
+    same lock around ``Engine.apply`` and partition changes (see recmem/server/serve.py).
+    ``bank`` is anything with NoteBank's ``route(user, q, r)`` and ``note_count(user)``.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        bank: Any | None,
+        recent: RecentEventsHook | None,
+        lock: AbstractContextManager[Any] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.bank = bank
+        self.recent = recent
+        self.lock: AbstractContextManager[Any] = lock if lock is not None else nullcontext()
+
+    def snapshot(self, user_ids: Sequence[str]) -> MemoryState:
+        with self.lock:
+            return self.engine.snapshot(user_ids)
+
+    def recent_events(self, user_id: str, n: int) -> UserEvents:
+        return self.recent.recent(user_id, n) if self.recent is not None else UserEvents.empty()
+
+    def route(self, user_id: str, queries: torch.Tensor, n_notes: int) -> list[UserEvents]:
+        if self.bank is None:
+            return []
+        notes = self.bank.route(user_id, queries, n_notes)
+        return [UserEvents(n.items, n.actions, n.ts_ms) for n in notes]
+
+    def inspect(self, user_id: str) -> UserInfo | None:
+        """InspectUser's answer: position, Proteus blocks, notes, residence tier."""
+        with self.lock:
+            if not self.engine.known([user_id])[0]:
+                return None
+            state = self.engine.snapshot([user_id])
+            tier = _tier(self.engine, user_id)
+        mem = self.engine.cfg.memory
+        pos = int(state.pos[0])
+        return UserInfo(
+            position=pos,
+            last_ts_ms=int(state.last_ts[0]),
+            unlocked_blocks=unlocked_blocks(pos, mem.n_blocks, mem.horizon) if pos > 0 else 0,
+            total_blocks=mem.n_blocks,
+            note_count=self.bank.note_count(user_id) if self.bank is not None else 0,
+            resident_tier=tier,
+        )
+
+
+def _tier(engine: Engine, user_id: str) -> str:
+    """ "device" | "host" | "disk" from the store's public ``tier_of`` when it has one."""
+    tier_of = getattr(engine.store, "tier_of", None)
+    return str(tier_of(user_id)) if callable(tier_of) else ""
