@@ -68,6 +68,22 @@ def _seen_pairs(
     return block_rows[keep], items[keep]
 
 
+def planted_groups(
+    split: TimeSplit, rows: np.ndarray, masks: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Target groups with a known answer on generated data (empty without planted data):
+    planted recalls, the other targets, and long-term returns (a target from a session of a
+    long-term interest whose category was last seen outside the recent window)."""
+    if "is_recall" not in split.planted:
+        return {}
+    recall = split.planted["is_recall"][rows].astype(bool)
+    groups = {"planted_recall": recall, "planted_other": ~recall}
+    if "long_term_session" in split.planted:
+        lt = split.planted["long_term_session"][rows].astype(bool)
+        groups["planted_long_term_return"] = lt & ~recall & masks["long_term"]
+    return groups
+
+
 def evaluate(
     scorer: Scorer,
     split: TimeSplit,
@@ -83,7 +99,8 @@ def evaluate(
 
     Returns {"overall", "recent", "long_term", "new", "repeat"} (each {"hr@10", "ndcg@10",
     "mrr@10", "hr@50", "n"}), "n_targets", "excluded_cold_item", "excluded_first_event",
-    "exclude_seen", "eval_seconds", "loss" (mean target loss, with ``with_loss``), and, with ``return_per_target``, "per_target": numpy
+    "exclude_seen", "eval_seconds", "loss" (mean target loss, with ``with_loss``), "planted"
+    (metrics of :func:`planted_groups`, generated data only), and, with ``return_per_target``, "per_target": numpy
     arrays rows, users, positions, ranks and (``with_loss``) loss (-log softmax of the
     target over the non-excluded items), plus the stratum masks.
     """
@@ -126,6 +143,9 @@ def evaluate(
     result: dict[str, Any] = {"overall": metrics_from_ranks(ranks)}
     for name in STRATA:
         result[name] = metrics_from_ranks(ranks[masks[name]])
+    planted = planted_groups(split, targets.rows, masks)
+    if planted:
+        result["planted"] = {k: metrics_from_ranks(ranks[m]) for k, m in planted.items()}
     result.update(
         n_targets=targets.n,
         excluded_cold_item=targets.excluded_cold_item,

@@ -104,6 +104,7 @@ def render_report(
     eval_config: EvalConfig | None = None,
     has_repeats: bool = False,
     plots: tuple[tuple[str, str], ...] = (),
+    planted: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     sp = summary["split"]
     models = summary["models"]
@@ -153,6 +154,19 @@ def render_report(
         lines += _table(["model", "metric", *labels], rows)
         counts = next(iter(by_position.values()))
         lines += ["", "Targets per bucket: " + ", ".join(f"{b}: {counts[b]['n']}" for b in labels)]
+    if planted:
+        groups = list(next(iter(planted.values())))
+        lines += ["", "## Planted structure (generated data): NDCG@10 / HR@10 (n)", ""]
+        rows = []
+        for name, table in planted.items():
+            rows.append(
+                [name]
+                + [
+                    f"{_fmt(table[g]['ndcg@10'])} / {_fmt(table[g]['hr@10'])} ({table[g]['n']})"
+                    for g in groups
+                ]
+            )
+        lines += _table(["model", *groups], rows)
     for title, fname in plots:
         lines += ["", f"![{title}]({fname})"]
     configs = {n: e["config"] for n, e in models.items()}
@@ -168,6 +182,7 @@ def write_report(
     *,
     eval_config: EvalConfig | None = None,
     has_repeats: bool = False,
+    planted: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     plots: list[tuple[str, str]] = []
     if plot_strata(out / "strata_ndcg10.png", summary["models"]):
@@ -180,6 +195,7 @@ def write_report(
         eval_config=eval_config,
         has_repeats=has_repeats,
         plots=tuple(plots),
+        planted=planted,
     )
     path = out / "report.md"
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")

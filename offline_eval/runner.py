@@ -1,6 +1,6 @@
 """``recmem eval``: build (or load) the split, fit each requested model on TRAIN, evaluate it
-on the TEST targets, and write ``summary.json`` (issue 3 schema), ``by_position.json`` and
-``report.md`` with PNG plots.
+on the TEST targets, and write ``summary.json`` (issue 3 schema), ``by_position.json``, ``planted.json``
+(synthetic data: metrics on targets whose answer is known) and ``report.md`` with PNG plots.
 
 Models come from a registry, name -> factory(split, cfg) -> (Scorer, train_seconds, config).
 This module registers "pop"; model modules register theirs by calling :func:`register_model`
@@ -196,6 +196,7 @@ def run_eval(
     out.mkdir(parents=True, exist_ok=True)
     entries: dict[str, dict[str, Any]] = {}
     by_position: dict[str, dict[str, dict[str, Any]]] = {}
+    planted: dict[str, dict[str, Any]] = {}
     test_targets = split.targets("test", cfg.eval.exclude_seen)
     split_info: dict[str, Any] = {
         "n_targets": test_targets.n,
@@ -224,6 +225,8 @@ def run_eval(
             entry["config"] = {**entry["config"], "overrides": overrides}
         entries[spec] = entry
         by_position[spec] = position_table(res["per_target"])
+        if "planted" in res:
+            planted[spec] = res["planted"]
         log.info(
             "model %s: TEST ndcg@10 %.4f hr@10 %.4f (n=%d)",
             spec,
@@ -238,8 +241,17 @@ def run_eval(
     }
     _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     _atomic_write(out / "by_position.json", json.dumps(by_position, indent=2) + "\n")
+    if planted:
+        _atomic_write(out / "planted.json", json.dumps(planted, indent=2) + "\n")
     if write_report:
         from offline_eval.report import write_report as _write
 
-        _write(out, summary, by_position, eval_config=cfg.eval, has_repeats=split.has_repeats)
+        _write(
+            out,
+            summary,
+            by_position,
+            eval_config=cfg.eval,
+            has_repeats=split.has_repeats,
+            planted=planted,
+        )
     return summary

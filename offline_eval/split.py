@@ -98,6 +98,8 @@ class TimeSplit:
     has_repeats: bool
     item_titles: dict[str, str] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    planted: dict[str, np.ndarray] = field(default_factory=dict)
+    """Known structure of generated data (recmem.synthetic), per event row of ``seqs``."""
 
     @property
     def n_items(self) -> int:
@@ -160,6 +162,7 @@ class TimeSplit:
             "vocab_items": np.array(self.vocab.item_ids, dtype=np.str_),
             "cat_keys": np.array(self.cat_keys, dtype=np.str_),
         }
+        arrays.update({f"planted__{k}": v for k, v in self.planted.items()})
         meta = {
             "format": SPLIT_FORMAT,
             "dataset": self.dataset,
@@ -217,6 +220,9 @@ class TimeSplit:
                 has_repeats=bool(meta["has_repeats"]),
                 item_titles=meta.get("item_titles"),
                 meta=meta.get("meta", {}),
+                planted={
+                    k.removeprefix("planted__"): z[k] for k in z.files if k.startswith("planted__")
+                },
             )
 
 
@@ -234,7 +240,10 @@ def strict_time_split(
     item; they are re-sorted here anyway, stably, so the rule holds for any input)."""
     import polars as pl
 
-    ev = dataset.events.sort(["ts_ms", "user_id", "item_id"], maintain_order=True)
+    ev = dataset.events.with_row_index("_row").sort(
+        ["ts_ms", "user_id", "item_id"], maintain_order=True
+    )
+    source_row = ev["_row"].to_numpy().astype(np.int64)
     n = ev.height
     if n < 3:
         raise ValueError(f"dataset {dataset.name!r} has {n} events; a time split needs >= 3")
@@ -298,6 +307,11 @@ def strict_time_split(
         has_repeats=dataset.has_repeats,
         item_titles=dataset.item_titles,
         meta={"valid_frac": valid_frac, "test_frac": test_frac},
+        planted={
+            k: np.asarray(v)[source_row][order]
+            for k, v in dataset.planted.items()
+            if np.ndim(v) == 1 and len(v) == n
+        },
     )
 
 

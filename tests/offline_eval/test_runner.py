@@ -116,3 +116,21 @@ def test_model_spec_overrides(tmp_path: Path) -> None:
     assert seen == [2, 8]
     assert list(summary["models"]) == models
     assert summary["models"][models[0]]["config"]["overrides"] == ["memory.n_blocks=2"]
+
+
+def test_planted_probe_on_synthetic(tmp_path: Path) -> None:
+    cfg = load_config(None, [*(s for s in SET if s != "--set"), f"data.cache_dir={tmp_path}"])
+    split = load_or_build_split(cfg, "synthetic")
+    assert set(split.planted) >= {"is_recall", "long_term_session", "session_category"}
+    loaded = TimeSplit.load(split_cache_path(cfg, "synthetic"))
+    assert np.array_equal(loaded.planted["is_recall"], split.planted["is_recall"])
+    # the planted session category of a non-recall event is its item's category
+    plain = ~split.planted["is_recall"]
+    keys = np.array(split.cat_keys)[split.event_cat[plain]]
+    assert (keys == np.char.add("c", split.planted["session_category"][plain].astype(str))).all()
+    summary = runner.run_eval(cfg, "synthetic", ["pop"], tmp_path / "o")
+    probe = json.loads((tmp_path / "o" / "planted.json").read_text())["pop"]
+    n = summary["split"]["n_test_targets"]
+    assert probe["planted_recall"]["n"] + probe["planted_other"]["n"] == n
+    assert probe["planted_recall"]["n"] > 0
+    assert "Planted structure" in (tmp_path / "o" / "report.md").read_text()
