@@ -122,6 +122,12 @@ def _cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
+    from recmem.server.serve import run_serve
+
+    return run_serve(cfg, init_model=args.init_model, ingest=not args.no_ingest)
+
+
 COMMANDS: dict[str, tuple[str, Handler]] = {
     "config": ("print the effective configuration (or --docs: every field explained)", _cmd_config),
     "train": ("train a memory model on the TRAIN part of the time split", _cmd_train),
@@ -132,6 +138,7 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
     "produce": ("stream a dataset into a Kafka topic in timestamp order", _cmd_produce),
     "broker": ("run the embedded Kafka-compatible broker (tansu) on loopback", _cmd_broker),
     "demo": ("the main job on the embedded default (see README)", _cmd_demo),
+    "serve": ("consumer + engine + archive + gRPC rank service in one process", _cmd_serve),
 }
 
 
@@ -167,6 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
             )
             p.add_argument("--out", required=True, help="output directory for the reports")
             p.add_argument("--split", help="a prepared split (.npz from TimeSplit.save) to use")
+        if name == "serve":
+            p.add_argument(
+                "--init-model",
+                action="store_true",
+                help="if server.model_dir holds no model, save a freshly initialised one there",
+            )
+            p.add_argument(
+                "--no-ingest", action="store_true", help="the gRPC side only (no Kafka consumer)"
+            )
         if name == "produce":
             p.add_argument(
                 "--dataset",

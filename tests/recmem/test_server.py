@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -353,3 +354,56 @@ def test_stop_reports_not_serving_and_refuses_new_calls(env: RankEnv) -> None:
         assert srv.wait(timeout=5.0)
         with pytest.raises(grpc.RpcError):
             stub.Rank(rank_pb2.RankRequest(user_id="user0", k=1), timeout=5.0)
+
+
+def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path) -> None:
+    """`recmem serve` pieces end to end: events through the real broker into the engine and
+    archive, ranked over gRPC, checkpointed on stop."""
+    from recmem.modelstore import save_model
+    from recmem.server.serve import RecMemService
+    from streams.codec import make_event
+    from streams.producer import EventProducer
+
+    env = make_env(tmp_path / "spill-env", n_users=1)
+    cfg = env.cfg
+    cfg.kafka = kafka_config(partitions=2)
+    cfg.server.model_dir = str(tmp_path / "model")
+    cfg.checkpoint.dir = str(tmp_path / "ckpt")
+    save_model(cfg.server.model_dir, env.model, env.vocab, cfg, {"popularity": env.popularity})
+    events = [
+        make_event(
+            f"kafka-user{u}", f"item{(7 * i + u) % N_ITEMS}", 1_000_000 + 60_000 * i, "click"
+        )
+        for i in range(20)
+        for u in range(3)
+    ]
+    producer = EventProducer(cfg.kafka)
+    assert producer.send(events, progress=False) == 60
+    producer.close()
+    svc = RecMemService(cfg, device="cpu").start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
+            stub = rank_pb2_grpc.RecMemStub(ch)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                infos = [
+                    stub.InspectUser(rank_pb2.InspectUserRequest(user_id=f"kafka-user{u}"))
+                    for u in range(3)
+                ]
+                if all(i.position == 20 for i in infos):
+                    break
+                time.sleep(0.2)
+            assert [i.position for i in infos] == [20, 20, 20]
+            assert all(i.note_count >= 1 for i in infos)
+            res = stub.Rank(
+                rank_pb2.RankRequest(
+                    user_id="kafka-user1", k=5, replay=rank_pb2.ReplayOptions(enabled=True)
+                ),
+                timeout=TIMEOUT,
+            )
+            assert len(res.items) == 5 and res.position == 20 and res.notes_replayed >= 1
+            assert res.model_version.startswith("memory-E4-N32-")
+    finally:
+        svc.stop(grace=1.0)
+    assert svc.failure is None
+    assert any(Path(cfg.checkpoint.dir).rglob("meta.json"))

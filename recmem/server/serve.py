@@ -1,0 +1,171 @@
+"""``recmem serve``: Kafka consumer + engine + NoteBank + gRPC rank service in one process.
+
+The consumer thread applies micro-batches through the ingest service (recmem/ingest.py)
+and the rank worker reads copies of the same engine's states; one lock keeps a rank
+snapshot from interleaving with an engine step or a partition change. A stop (SIGTERM,
+SIGINT, or ``RecMemService.stop``) reports NOT_SERVING, drains the in-flight rank calls,
+then lets the consumer finish its batch, checkpoint, commit and leave the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.recommender import MemoryRecommender
+from recmem.checkpoint import CheckpointStore
+from recmem.config import Config
+from recmem.ingest import IngestService, load_or_init_model
+from recmem.server.app import RankServer
+from recmem.server.stack import RankStack, build_rank_stack, popularity_from_extra
+from recmem.state_store import StateLayout
+from recmem.vocab import ItemVocab
+from streams.validate import ValidEvent
+
+log = logging.getLogger(__name__)
+
+
+class LockedSink:
+    """The ingest service as the consumer's BatchSink, each call under the stack's lock."""
+
+    def __init__(self, inner: IngestService, lock: threading.RLock) -> None:
+        self.inner = inner
+        self.lock = lock
+
+    def on_assigned(self, partitions: list[int]) -> dict[int, int]:
+        with self.lock:
+            return self.inner.on_assigned(partitions)
+
+    def on_revoked(self, partitions: list[int]) -> None:
+        with self.lock:
+            self.inner.on_revoked(partitions)
+
+    def on_lost(self, partitions: list[int]) -> None:
+        with self.lock:
+            self.inner.on_lost(partitions)
+
+    def apply_batch(self, events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
+        with self.lock:
+            self.inner.apply_batch(events, next_offsets)
+
+    def checkpoint_due(self) -> bool:
+        return self.inner.checkpoint_due()
+
+    def checkpoint(self) -> dict[int, int]:
+        with self.lock:
+            return self.inner.checkpoint()
+
+
+def load_serving_model(
+    cfg: Config, device: torch.device, init_model: bool
+) -> tuple[MemoryRecommender, ItemVocab, str, np.ndarray | None]:
+    """The memory model in ``server.model_dir`` (or a fresh one with ``init_model``), its
+    vocabulary, version and TRAIN popularity (None when the checkpoint has none). The
+    configuration's memory and model sections become the model's own."""
+    from recmem.modelstore import MODEL_FILE, load_model
+
+    if not (Path(cfg.server.model_dir) / MODEL_FILE).exists():
+        model, vocab, version = load_or_init_model(cfg, device, init_model)
+        return model, vocab, version, None
+    loaded, vocab, model_cfg, extra = load_model(cfg.server.model_dir, device)
+    if not isinstance(loaded, MemoryRecommender):
+        raise ValueError(f"{cfg.server.model_dir}: the rank service needs a memory model")
+    cfg.memory, cfg.model = model_cfg.memory, model_cfg.model
+    popularity = popularity_from_extra(extra, vocab.n_items)
+    if popularity is None:
+        log.warning("model has no TRAIN popularity: cold-start answers follow catalog order")
+    return loaded, vocab, str(extra.get("model_version", "unversioned")), popularity
+
+
+class RecMemService:
+    """The whole service of ``recmem serve`` (``ingest=False``: the gRPC side only, on
+    whatever the engine holds, e.g. nothing but cold starts)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        init_model: bool = False,
+        ingest: bool = True,
+        device: str | None = None,
+    ) -> None:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model, vocab, version, popularity = load_serving_model(cfg, dev, init_model)
+        self.cfg = cfg
+        self.stack: RankStack = build_rank_stack(cfg, model, vocab, version, popularity, dev)
+        self.server: RankServer = self.stack.server(cfg)
+        self.consumer: Any = None
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        self._done = threading.Event()
+        if ingest:
+            from streams.consumer import EventConsumer
+
+            layout = StateLayout.from_config(cfg.memory, cfg.model)
+            checkpoints = CheckpointStore(
+                Path(cfg.checkpoint.dir) / cfg.kafka.topic, layout, keep=cfg.checkpoint.keep
+            )
+            service = IngestService(self.stack.engine, checkpoints, cfg.checkpoint.interval_s)
+            self.ingest = service
+            self.consumer = EventConsumer(cfg.kafka, LockedSink(service, self.stack.lock))
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def start(self) -> RecMemService:
+        self.server.start()
+        if self.consumer is not None:
+            self._thread = threading.Thread(target=self._consume, name="ingest", daemon=True)
+            self._thread.start()
+        return self
+
+    def _consume(self) -> None:
+        try:
+            self.consumer.run()
+        except BaseException as e:  # noqa: BLE001 - reported by wait(); the process stops
+            log.exception("ingest stopped with an error")
+            self.failure = e
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the ingest thread ends (error) or ``stop``; True when it ended."""
+        return self._done.wait(timeout)
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.server.stop(grace)
+        if self.consumer is not None:
+            self.consumer.stop()
+            if self._thread is not None:
+                self._thread.join()
+        self.stack.engine.store.close()
+        self._done.set()
+
+
+def run_serve(cfg: Config, *, init_model: bool = False, ingest: bool = True) -> int:
+    """Run until SIGTERM/SIGINT (or an ingest error); returns the exit status."""
+    service = RecMemService(cfg, init_model=init_model, ingest=ingest).start()
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %s: stopping", signum)
+        service._done.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    log.info(
+        "recmem serve: gRPC on %s:%d, ingest %s",
+        cfg.server.host,
+        service.port,
+        f"from {cfg.kafka.topic}" if ingest else "off",
+    )
+    service.wait()
+    service.stop()
+    return 1 if service.failure is not None else 0
