@@ -169,7 +169,9 @@ class NoteBank:
     ) -> int:
         """``observe`` for a right-padded batch: [B, T] event arrays, ``lengths`` [B],
         k, q [B, T, L, H, K] (as the model's advance returns them; moved off the device
-        once). ``item_ids[b]`` lists user b's valid events only. Returns notes written."""
+        once). ``item_ids[b]`` lists user b's valid events only. A user whose events are
+        rejected (see ``observe``) is skipped with a warning; the others go on. Returns
+        notes written."""
         arrays = [_numpy(x, np.int64) for x in (items, actions, ts_ms, positions)]
         lens = _numpy(lengths, np.int64).reshape(-1)
         k_a, q_a = _numpy(k, np.float32), _numpy(q, np.float32)
@@ -179,11 +181,16 @@ class NoteBank:
         total = 0
         for b, uid in enumerate(user_ids):
             n = int(lens[b])
-            if n:
+            if not n:
+                continue
+            try:
                 total += self.observe(
                     uid, it[b, :n], item_ids[b], ac[b, :n], ts[b, :n], po[b, :n],
                     k_a[b, :n], q_a[b, :n],
                 )  # fmt: skip
+            except ValueError as e:
+                # One user's inconsistent events must not stop the others' (nor ingest).
+                log.warning("NoteBank: skipped %d events of user %r: %s", n, uid, e)
         return total
 
     def _close_chunk(self, ua: UserArchive, chunk: PendingEvents) -> list[Note]:

@@ -95,14 +95,15 @@ def evidence_recall(
     target_rows: np.ndarray,
     cfg: ArchiveConfig,
     *,
-    item_keys: np.ndarray | None = None,
+    event_keys: np.ndarray | None = None,
     r: int | None = None,
     seed: int = 0,
     max_slots: int = 16_384,
 ) -> EvidenceRecall:
     """Archive every user's events before each target (rows of ``seqs``) and route with the
-    query of the event just before it. ``item_keys[item]`` maps item indices to keys
-    (default: the item itself). Targets at a user's first event are dropped."""
+    query of the event just before it. ``event_keys[row]`` is the key of each event of
+    ``seqs`` (default: its item; e.g. ``TimeSplit.event_cat``). Targets at a user's first
+    event are dropped."""
     r = cfg.replay_notes if r is None else r
     rows = np.asarray(target_rows, dtype=np.int64)
     user_of = seqs.user_of_event()[rows]
@@ -110,9 +111,9 @@ def evidence_recall(
     rows, user_of, idx = rows[idx > 0], user_of[idx > 0], idx[idx > 0]
     order = np.lexsort((idx, user_of))
     rows, user_of, idx = rows[order], user_of[order], idx[order]
-    keys = np.arange(int(seqs.items.max()) + 1) if item_keys is None else item_keys
-    if len(seqs.items) and int(seqs.items.max()) >= len(keys):
-        raise ValueError("item_keys does not cover every item index in seqs")
+    keys = seqs.items if event_keys is None else np.asarray(event_keys)
+    if len(keys) != seqs.n_events:
+        raise ValueError(f"event_keys has {len(keys)} entries for {seqs.n_events} events")
     mem = model.mem_cfg
     bank = NoteBank(cfg, mem.key_dim, mem.n_layers * mem.n_heads, seed)
     rng = np.random.default_rng(seed)
@@ -134,7 +135,8 @@ def evidence_recall(
             assert res.kq is not None
             k, q = (x.flatten(2, 3).float().cpu().numpy() for x in res.kq)
             for b, u in enumerate(batch):
-                ev = slice(int(seqs.offsets[u]), int(seqs.offsets[u] + need[u]))
+                first = int(seqs.offsets[u])
+                ev = slice(first, first + int(need[u]))
                 uid, fed = str(u), 0
                 u_items = seqs.items[ev]
                 for j in range(first_target[u], first_target[u + 1]):
@@ -147,11 +149,13 @@ def evidence_recall(
                     fed = t
                     notes = bank.notes(uid)
                     n_notes[j] = len(notes)
-                    target = keys[seqs.items[rows[j]]]
+                    target = keys[rows[j]]
                     routed = bank.route(uid, q[b, t - 1], r=r)
                     picks = [routed, notes[-r:] if r else [], _sample(notes, r, rng), notes]
                     for f, chosen in enumerate(picks):
-                        flags[f, j] = any(np.any(keys[n.items] == target) for n in chosen)
+                        flags[f, j] = any(
+                            np.any(keys[first + n.positions - 1] == target) for n in chosen
+                        )
                 bank.drop_users([uid])
     finally:
         model.train(was_training)

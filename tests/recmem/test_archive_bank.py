@@ -241,3 +241,20 @@ def test_bad_input_is_rejected_without_changing_state():
     with pytest.raises(ValueError, match="address_dim"):
         NoteBank(small_cfg(address_dim=K + 1), K, CH)
     assert bank.pending_count("a") == 10
+
+
+def test_observe_batch_skips_a_rejected_user_and_keeps_the_others(caplog):
+    bank = NoteBank(small_cfg(), K, CH, seed=0)
+    a, b = make_stream(20, seed=15), make_stream(20, seed=16)
+    bank.observe("a", *a.part(0, 10))
+    items = np.stack([a.items[:20], b.items[:20]])  # user a's events 1..10 again: rejected
+    k = np.stack([a.k[:20], b.k[:20]])
+    q = np.stack([a.q[:20], b.q[:20]])
+    written = bank.observe_batch(
+        ["a", "b"], items, [a.item_ids[:20], b.item_ids[:20]],
+        np.stack([a.actions[:20], b.actions[:20]]), np.stack([a.ts_ms[:20], b.ts_ms[:20]]),
+        np.stack([a.positions[:20], b.positions[:20]]), [20, 20], k, q,
+    )  # fmt: skip
+    assert written == 2 and bank.note_count("b") == 2
+    assert bank.pending_count("a") == 10 and bank.note_count("a") == 0
+    assert "skipped 20 events of user 'a'" in caplog.text

@@ -31,7 +31,7 @@ def test_evidence_recall_flags_are_consistent():
     seqs = _seqs([70, 5, 40], n_items=30)
     cfg = ArchiveConfig(chunk_events=8, window=2, max_span=3, address_dim=8, replay_notes=2)
     rows = np.array([0, 10, 50, 69, 70, 72, 75 + 39, 75 + 20])
-    rep = evidence_recall(model, seqs, rows, cfg, item_keys=np.arange(30) % 5)
+    rep = evidence_recall(model, seqs, rows, cfg, event_keys=seqs.items % 5)
     assert sorted(rep.rows.tolist()) == sorted([10, 50, 69, 72, 114, 95])  # first events dropped
     for f in (rep.routed, rep.recent, rep.random):
         assert not np.any(f & ~rep.archived)
