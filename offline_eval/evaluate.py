@@ -55,17 +55,35 @@ def _user_chunks(users: np.ndarray, users_per_chunk: int) -> list[tuple[int, int
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _seen_pairs(
-    split: TimeSplit, targets: TargetSet, lo: int, hi: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """COO (row in block, item) of items each target's user saw up to its query row."""
-    lengths = targets.query_rows[lo:hi] - targets.seen_start[lo:hi] + 1
-    block_rows = np.repeat(np.arange(hi - lo), lengths)
-    starts = np.repeat(targets.seen_start[lo:hi], lengths)
-    within = np.arange(block_rows.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    items = split.seqs.items[starts + within]
-    keep = items < split.n_items
-    return block_rows[keep], items[keep]
+def seen_mask(
+    split: TimeSplit, targets: TargetSet, lo: int, hi: int, device: torch.device
+) -> torch.Tensor:
+    """bool [hi - lo, n_items]: TRAIN items each target's user saw up to its query row.
+
+    Each user of the block contributes its events once: the row where it first saw each
+    item (scatter-min into [users, items]); a target masks the items first seen at or before
+    its query row.
+    """
+    n_items = split.n_items
+    users = targets.users[lo:hi]
+    query = targets.query_rows[lo:hi]
+    uniq, slot = np.unique(users, return_inverse=True)
+    last = np.zeros(uniq.shape[0], dtype=np.int64)
+    np.maximum.at(last, slot, query)
+    start = split.seqs.offsets[uniq]
+    lengths = last - start + 1
+    ev_slot = np.repeat(np.arange(uniq.shape[0]), lengths)
+    ev_row = np.repeat(start, lengths) + (
+        np.arange(ev_slot.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    )
+    ev_item = split.seqs.items[ev_row]
+    keep = ev_item < n_items
+    flat = torch.as_tensor(ev_slot[keep] * n_items + ev_item[keep], device=device)
+    never = torch.iinfo(torch.int64).max
+    first = torch.full((uniq.shape[0] * n_items,), never, dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, flat, torch.as_tensor(ev_row[keep], device=device), reduce="amin")
+    first = first.view(uniq.shape[0], n_items)[torch.as_tensor(slot, device=device)]
+    return first <= torch.as_tensor(query, device=device).unsqueeze(1)
 
 
 def planted_groups(
@@ -132,12 +150,10 @@ def evaluate(
                 b_hi = min(hi, b_lo + block_rows)
                 scores = uv[b_lo - lo : b_hi - lo] @ items.T
                 tgt = torch.as_tensor(targets.items[b_lo:b_hi], device=scores.device)
-                ex_r = ex_c = None
+                exclude = None
                 if targets.exclude_seen:
-                    r_np, c_np = _seen_pairs(split, targets, b_lo, b_hi)
-                    ex_r = torch.as_tensor(r_np, device=scores.device)
-                    ex_c = torch.as_tensor(c_np, device=scores.device)
-                ranks[b_lo:b_hi] = target_ranks(scores, tgt, ex_r, ex_c).cpu().numpy()
+                    exclude = seen_mask(split, targets, b_lo, b_hi, scores.device)
+                ranks[b_lo:b_hi] = target_ranks(scores, tgt, exclude).cpu().numpy()
                 if with_loss:
                     losses[b_lo:b_hi] = target_log_loss(scores, tgt).double().cpu().numpy()
     result: dict[str, Any] = {"overall": metrics_from_ranks(ranks)}

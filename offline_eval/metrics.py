@@ -18,31 +18,18 @@ import torch
 METRIC_KEYS = ("hr@10", "ndcg@10", "mrr@10", "hr@50")
 
 
-def exclusion_mask_(
-    scores: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, value: float = -math.inf
-) -> torch.Tensor:
-    """Set scores[rows[j], cols[j]] = value in place (COO list of excluded items)."""
-    if rows.numel():
-        scores[rows, cols] = value
-    return scores
-
-
 def target_ranks(
-    scores: torch.Tensor,
-    targets: torch.Tensor,
-    exclude_rows: torch.Tensor | None = None,
-    exclude_cols: torch.Tensor | None = None,
+    scores: torch.Tensor, targets: torch.Tensor, exclude: torch.Tensor | None = None
 ) -> torch.Tensor:
     """[n] int64 0-based rank of each target among the non-excluded items.
 
-    scores [n, n_items] (modified in place when exclusions are given); targets [n];
-    exclusions as COO pairs (row in the batch, item index); pairs that hit the target are
-    ignored.
+    scores [n, n_items] (excluded entries are set to -inf in place); targets [n];
+    exclude: bool [n, n_items], True = not ranked (ignored where it hits the target).
     """
     idx = torch.arange(scores.shape[0], device=scores.device)
     target_score = scores[idx, targets].clone()
-    if exclude_rows is not None and exclude_cols is not None and exclude_rows.numel():
-        exclusion_mask_(scores, exclude_rows, exclude_cols)
+    if exclude is not None:
+        scores.masked_fill_(exclude, -math.inf)
         scores[idx, targets] = target_score
     return (scores > target_score.unsqueeze(1)).sum(dim=1)
 

@@ -19,9 +19,11 @@ def test_ranks_count_strictly_greater_and_respect_exclusions() -> None:
         ]
     )
     targets = torch.tensor([1, 3, 3, 0])
-    ex_r = torch.tensor([2, 2, 3])
-    ex_c = torch.tensor([0, 1, 0])
-    assert target_ranks(scores, targets, ex_r, ex_c).tolist() == [2, 0, 1, 0]
+    exclude = torch.zeros(4, 4, dtype=torch.bool)
+    exclude[2, [0, 1]] = True
+    exclude[3, 0] = True
+    assert target_ranks(scores.clone(), targets, exclude).tolist() == [2, 0, 1, 0]
+    assert target_ranks(scores.clone(), targets).tolist() == [2, 0, 3, 0]
 
 
 def test_metrics_hand_computed() -> None:
