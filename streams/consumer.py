@@ -34,17 +34,30 @@ LAG_INTERVAL_S = 1.0
 """How often consumer lag is recomputed."""
 DLQ_FLUSH_TIMEOUT_S = 30.0
 """Longest wait for dead letters to be acknowledged before the batch is given up."""
+DLQ_MAX_VALUE_BYTES = 512 * 1024
+"""Dead-letter values are cut to this size (header ``value_truncated`` = original length), so
+an oversized record cannot become a poison pill that the dead-letter topic refuses."""
 
 
 def dead_letter_headers(dead: DeadLetter) -> list[tuple[str, bytes]]:
     """Headers of a dead-letter record: why, and where the original came from."""
-    return [
+    headers = [
         ("reason", dead.reason.encode()),
         ("message", dead.message.encode()[:1024]),
         ("source_topic", dead.topic.encode()),
         ("source_partition", str(dead.partition).encode()),
         ("source_offset", str(dead.offset).encode()),
     ]
+    if dead.value is not None and len(dead.value) > DLQ_MAX_VALUE_BYTES:
+        headers.append(("value_truncated", str(len(dead.value)).encode()))
+    return headers
+
+
+def dead_letter_value(dead: DeadLetter) -> bytes | None:
+    """The value a dead letter is written with: the original bytes, cut when oversized."""
+    if dead.value is None:
+        return None if dead.key is not None else b""
+    return dead.value[:DLQ_MAX_VALUE_BYTES]
 
 
 class _Listener(ConsumerRebalanceListener):
@@ -226,8 +239,8 @@ class EventConsumer:
             futures.append(
                 self._producer.send(
                     self.cfg.dead_letter_topic,
-                    key=d.key,
-                    value=d.value if (d.value is not None or d.key is not None) else b"",
+                    key=d.key[:DLQ_MAX_VALUE_BYTES] if d.key is not None else None,
+                    value=dead_letter_value(d),
                     headers=dead_letter_headers(d),
                 )
             )

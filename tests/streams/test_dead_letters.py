@@ -177,3 +177,32 @@ def test_bad_records_are_dead_lettered_and_the_consumer_keeps_going(kafka_config
         if s.name.endswith("_total")
     }
     assert sum(counted.values()) == len(bad)
+
+
+def test_an_oversized_record_is_dead_lettered_cut_not_refused(kafka_config):
+    from kafka import KafkaProducer
+
+    from streams.consumer import DLQ_MAX_VALUE_BYTES
+
+    cfg = kafka_config(partitions=1)
+    big = b"\xff" * (3 << 20)
+    producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers, max_request_size=8 << 20)
+    producer.send(cfg.topic, key=b"k", value=big).get(timeout=10)
+    producer.close()
+    sink = RecordingSink()
+    consumer = EventConsumer(cfg, sink)
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while sink.owned.get(0) != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sink.owned.get(0) == 1 and thread.is_alive()
+    finally:
+        consumer.stop()
+        thread.join(timeout=15)
+    (rec,) = read_dlq(cfg, 1)
+    headers = dict(rec.headers)
+    assert headers["reason"] == b"undecodable"
+    assert headers["value_truncated"] == str(len(big)).encode()
+    assert rec.value == big[:DLQ_MAX_VALUE_BYTES]
