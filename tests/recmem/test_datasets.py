@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import polars as pl
@@ -8,7 +7,7 @@ import pytest
 
 from models.sequences import ACTIONS
 from recmem.config import DataConfig
-from recmem.datasets import describe, load_dataset
+from recmem.datasets import load_dataset
 
 COLUMNS = ["user_id", "item_id", "ts_ms", "action", "value", "category"]
 
@@ -75,26 +74,3 @@ def test_parquet(tmp_path: Path) -> None:
     assert d.events["user_id"].to_list() == ["2", "1"]
     assert d.events["ts_ms"].to_list() == [4000, 5000]
     assert d.events["category"].to_list() == [None, "x"]
-
-
-CACHE = Path(os.environ.get("RECMEM_TEST_CACHE", "~/.cache/recmem")).expanduser()
-
-
-def test_ml100k_from_wheel() -> None:
-    d = load_dataset("ml-100k", DataConfig(cache_dir=str(CACHE)))
-    info = describe(d)
-    assert (info["n_events"], info["n_users"], info["n_items"]) == (100_000, 943, 1682)
-    assert not d.has_repeats
-    toy = d.events.filter(pl.col("item_id") == "1")["category"][0]
-    assert toy == "Animation|Children's|Comedy"
-    assert d.item_titles is not None and d.item_titles["1"] == "Toy Story"
-    assert d.events["action"].unique().to_list() == ["rating"]
-
-
-@pytest.mark.slow
-def test_ml1m_from_wheel() -> None:
-    d = load_dataset("ml-1m", DataConfig(cache_dir=str(CACHE)))
-    info = describe(d)
-    assert (info["n_events"], info["n_users"]) == (1_000_209, 6040)
-    assert info["max_events_per_user"] == 2314
-    assert info["mean_events_per_user"] == pytest.approx(165.6, abs=0.05)
