@@ -329,7 +329,7 @@ def _codes(column: Any, keys: list[Any], values: np.ndarray | None = None) -> np
 
 def split_cache_path(cfg: Config, dataset: str | None = None) -> Path:
     """Where the split for (dataset, fractions, OOV buckets) is cached. File datasets add
-    their size and mtime to the key; synthetic adds its size parameters."""
+    their files' sizes and mtimes to the key; synthetic adds its size parameters."""
     spec = dataset or cfg.data.dataset
     key: dict[str, Any] = {
         "dataset": spec,
@@ -346,9 +346,10 @@ def split_cache_path(cfg: Config, dataset: str | None = None) -> Path:
         ]
     if ":" in spec:
         p = Path(spec.partition(":")[2]).expanduser()
-        if p.is_file():
-            st = p.stat()
-            key["file"] = [str(p.resolve()), st.st_size, st.st_mtime_ns]
+        files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
+        key["files"] = [
+            [str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()
+        ]
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     name = spec.replace(":", "_").replace("/", "_")[-40:]
     return Path(cfg.data.cache_dir).expanduser() / "splits" / f"{name}-{digest}.npz"

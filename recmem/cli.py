@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name == "eval":
             p.add_argument(
-                "--dataset", help="ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH"
+                "--dataset",
+                help="ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH | grouplens:DIR",
             )
             p.add_argument(
                 "--models", help="comma-separated model names (default: all known models)"
