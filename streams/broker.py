@@ -135,6 +135,7 @@ class EmbeddedBroker:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self._log_path = Path(log_path) if log_path else None
+        self._own_log = False
         self._log_file: IO[bytes] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -160,6 +161,7 @@ class EmbeddedBroker:
             fd, name = tempfile.mkstemp(prefix=f"tansu-{self.port}-", suffix=".log")
             os.close(fd)
             self._log_path = Path(name)
+            self._own_log = True
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self._log_path, "ab")  # noqa: SIM115 (closed in stop)
         url = f"tcp://{self.host}:{self.port}"
@@ -186,14 +188,15 @@ class EmbeddedBroker:
                 if self._proc.poll() is None:
                     return self
         code = self._proc.poll()
-        self.stop()
+        self.stop(keep_log=True)
         raise RuntimeError(
             f"tansu broker did not start on {self.bootstrap} within {self.start_timeout_s}s "
             f"(exit code {code}); see {self._log_path}"
         )
 
-    def stop(self) -> None:
-        """Terminate the broker (SIGTERM, then SIGKILL after ``stop_timeout_s``)."""
+    def stop(self, keep_log: bool = False) -> None:
+        """Terminate the broker (SIGTERM, then SIGKILL after ``stop_timeout_s``). A log file
+        this object created itself is removed unless ``keep_log``."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -205,6 +208,9 @@ class EmbeddedBroker:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self._own_log and not keep_log and self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
+            self._log_path, self._own_log = None, False
 
     def wait(self) -> int:
         """Block until the broker process exits; its exit code."""
