@@ -81,3 +81,32 @@ def test_save_load_round_trip(tiny: Dataset, tmp_path: Path) -> None:
     assert (t.n_train, t.boundary_valid_ts, t.has_repeats) == (8, 8, True)
     assert not list(tmp_path.glob("*.tmp*"))
     np.load(path, allow_pickle=False).close()  # no pickled objects inside
+
+
+def test_saved_split_evaluates_without_polars(tiny: Dataset, tmp_path: Path) -> None:
+    """The GPU image has no polars: loading a split and evaluating Pop must not import it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "split.npz"
+    strict_time_split(tiny, 4, 0.8, 0.9).save(path)
+    code = f"""
+import sys
+class NoPolars:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'polars':
+            raise ImportError('polars is blocked')
+sys.meta_path.insert(0, NoPolars())
+from offline_eval.split import TimeSplit
+from offline_eval.evaluate import evaluate
+from offline_eval.baselines import PopScorer
+from recmem.config import EvalConfig
+s = TimeSplit.load({str(path)!r})
+r = evaluate(PopScorer(s), s, 'test', EvalConfig(), progress=False)
+assert r['overall']['n'] == 1 and 'polars' not in sys.modules
+"""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
