@@ -83,6 +83,8 @@ def _cmd_produce(args: argparse.Namespace, cfg: Config) -> int:
     from streams.codec import make_event
     from streams.producer import EventProducer
 
+    if not args.verbose:  # kafka-python logs every connection at INFO
+        logging.getLogger("kafka").setLevel(logging.WARNING)
     if args.bootstrap:
         cfg.kafka.bootstrap_servers = args.bootstrap
     topic = args.topic or cfg.kafka.topic
@@ -103,6 +105,8 @@ def _cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
     from streams.admin import ensure_topics
     from streams.broker import EmbeddedBroker
 
+    if not args.verbose:  # kafka-python logs every connection at INFO
+        logging.getLogger("kafka").setLevel(logging.WARNING)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -116,6 +120,7 @@ def _cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
         while b.is_running() and not stop.wait(0.5):
             pass
         if not stop.is_set():
+            b.stop(keep_log=True)
             print(f"recmem broker: the broker exited; see {b.log_path}", file=sys.stderr)
             return 1
     print("broker stopped")
