@@ -248,6 +248,8 @@ def strict_time_split(
     if n < 3:
         raise ValueError(f"dataset {dataset.name!r} has {n} events; a time split needs >= 3")
     b_valid, b_test = split_bounds(n, valid_frac, test_frac)
+    if b_valid < 1 or b_test <= b_valid:
+        raise ValueError(f"dataset {dataset.name!r}: {n} events leave an empty TRAIN or VALID part")
     part_global = np.zeros(n, dtype=np.int64)
     part_global[b_valid:b_test] = 1
     part_global[b_test:] = 2

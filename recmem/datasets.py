@@ -104,9 +104,12 @@ def has_repeats(events: pl.DataFrame) -> bool:
 
 
 def _timestamp_ms(col: pl.Series) -> pl.Series:
-    """Numeric seconds or milliseconds (rule: :data:`SECONDS_MAX`), or ISO date-times."""
+    """Numeric seconds or milliseconds (rule: :data:`SECONDS_MAX`), ISO date-time strings, or
+    a date/datetime column (naive date-times are taken as UTC)."""
     import polars as pl
 
+    if col.dtype.is_temporal():
+        return col.cast(pl.Datetime("ms")).dt.epoch(time_unit="ms").cast(pl.Int64)
     numeric = col.cast(pl.Float64, strict=False)
     bad = numeric.is_null() & col.is_not_null()
     if bad.any():

@@ -74,3 +74,11 @@ def test_parquet(tmp_path: Path) -> None:
     assert d.events["user_id"].to_list() == ["2", "1"]
     assert d.events["ts_ms"].to_list() == [4000, 5000]
     assert d.events["category"].to_list() == [None, "x"]
+    from datetime import datetime
+
+    dt_path = tmp_path / "dt.parquet"
+    pl.DataFrame(
+        {"user_id": ["u"], "item_id": ["a"], "timestamp": [datetime(2001, 9, 9, 1, 46, 40)]}
+    ).write_parquet(dt_path)
+    d = load_dataset(f"parquet:{dt_path}", DataConfig())
+    assert d.events["ts_ms"].to_list() == [1_000_000_000_000]
