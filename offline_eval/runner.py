@@ -176,6 +176,14 @@ def split_summary(split: TimeSplit, test: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def prepare_split(cfg: Config, dataset: str, path: Path) -> TimeSplit:
+    """Build (or take from the cache) the split of ``dataset`` and save a copy at ``path``
+    (e.g. inside the repository, to evaluate on a machine without polars via ``--split``)."""
+    split = load_or_build_split(cfg, dataset)
+    split.save(path)
+    return split
+
+
 def run_eval(
     cfg: Config,
     dataset: str,

@@ -62,7 +62,16 @@ def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     from offline_eval.runner import DEFAULT_MODELS, parse_models, run_eval
 
     dataset = args.dataset or cfg.data.dataset
+    if args.prepare_split:
+        from offline_eval.runner import prepare_split
+
+        split_path = Path(args.prepare_split)
+        prepared = prepare_split(cfg, dataset, split_path)
+        print(f"{prepared.dataset}: {prepared.n_events} events, split saved to {split_path}")
+        return 0
     models = parse_models(args.models or ",".join(DEFAULT_MODELS))
+    if not args.out:
+        raise ValueError("--out is required (or --prepare-split PATH)")
     split = Path(args.split) if args.split else None
     summary = run_eval(cfg, dataset, models, Path(args.out), split_path=split)
     sp = summary["split"]
@@ -178,8 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--models", help="comma-separated model names (default: all known models)"
             )
-            p.add_argument("--out", required=True, help="output directory for the reports")
+            p.add_argument("--out", help="output directory for the reports (required)")
             p.add_argument("--split", help="a prepared split (.npz from TimeSplit.save) to use")
+            p.add_argument(
+                "--prepare-split",
+                metavar="PATH",
+                help="only build the split and save it at PATH (.npz + .json), then exit",
+            )
         if name == "serve":
             p.add_argument(
                 "--init-model",

@@ -134,3 +134,15 @@ def test_planted_probe_on_synthetic(tmp_path: Path) -> None:
     assert probe["planted_recall"]["n"] + probe["planted_other"]["n"] == n
     assert probe["planted_recall"]["n"] > 0
     assert "Planted structure" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_prepare_split_then_eval_from_it(tmp_path: Path) -> None:
+    cache = ["--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    path = tmp_path / "prepared" / "syn.npz"
+    base = ["eval", "--dataset", "synthetic", *SET, *cache]
+    assert main([*base, "--prepare-split", str(path)]) == 0
+    assert path.is_file() and path.with_suffix(".json").is_file()
+    out = tmp_path / "out"
+    assert main(["eval", "--split", str(path), "--models", "pop", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["split"]["n_events"] == 4000
+    assert main(["eval", "--split", str(path), "--models", "pop"]) == 2  # --out missing
