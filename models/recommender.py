@@ -1,0 +1,309 @@
+"""The memory recommender (SPEC section 4): event embeddings, L per-user memory layers, a
+read-out giving the user vector, scores against the tied item embedding table.
+
+The engine drives it through ``advance`` (new events for a batch of users, carrying a
+``MemoryState``), ``init_state`` and ``score``; offline evaluation through the Scorer
+protocol (``user_vectors`` and ``item_matrix``). Padding events (index >= lengths[b]) are
+exact no-ops on the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.embeddings import EventEmbeddings
+from models.features import previous_ts, time_gap_buckets
+from models.memory.ops import memory_scan
+from models.memory.recurrent import event_positions, masked_qk
+from models.sequences import EventSeqs
+from models.state import MemoryState
+from recmem.config import MemoryConfig, ModelConfig
+
+
+@dataclass
+class AdvanceResult:
+    """What ``advance`` returns: the new state, the user vector after each event [B, T, D]
+    (zeros at padding) and optionally the masked/normalised (k~, q~), each [B, T, L, H, K]."""
+
+    state: MemoryState
+    outputs: torch.Tensor
+    kq: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class MemoryLayer(nn.Module):
+    """One layer: projections to q, k, v and gates per head, the memory scan, then output
+    projection + residual + LayerNorm and a small feed-forward block."""
+
+    def __init__(self, mem: MemoryConfig, model: ModelConfig) -> None:
+        super().__init__()
+        D, H, K, V = model.embed_dim, mem.n_heads, mem.key_dim, mem.value_dim
+        self.H, self.K, self.V = H, K, V
+        self.mem = mem
+        self.qkv = nn.Linear(D, H * (2 * K + V))
+        n_gates = 3 if mem.momentum else 2
+        self.gates = nn.Linear(D, H * n_gates)
+        with torch.no_grad():
+            # theta starts near theta_max / 2, alpha (forget) small, eta (momentum) ~ 0.5.
+            bias = self.gates.bias.view(n_gates, H)
+            bias[0].fill_(0.0)
+            bias[1].fill_(-4.0)
+            if mem.momentum:
+                bias[2].fill_(0.0)
+        self.out = nn.Linear(H * V, D)
+        self.norm1 = nn.LayerNorm(D)
+        self.ffn: nn.Module | None = None
+        if model.ffn_mult > 0:
+            self.ffn = nn.Sequential(
+                nn.Linear(D, model.ffn_mult * D),
+                nn.GELU(),
+                nn.Linear(model.ffn_mult * D, D),
+            )
+            self.norm2 = nn.LayerNorm(D)
+        self.dropout = nn.Dropout(model.dropout)
+
+    def project(
+        self, x: torch.Tensor
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor
+    ]:
+        """x [B, T, D] -> q, k [B, T, H, K], v [B, T, H, V], theta, eta (or None), alpha."""
+        B, T, _ = x.shape
+        H, K, V = self.H, self.K, self.V
+        q, k, v = self.qkv(x).split([H * K, H * K, H * V], dim=-1)
+        g = self.gates(x).view(B, T, -1, H)
+        theta = self.mem.theta_max * torch.sigmoid(g[:, :, 0])
+        alpha = torch.sigmoid(g[:, :, 1])
+        eta = torch.sigmoid(g[:, :, 2]) if self.mem.momentum else None
+        return (
+            q.reshape(B, T, H, K),
+            k.reshape(B, T, H, K),
+            v.reshape(B, T, H, V),
+            theta,
+            eta,
+            alpha,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        S0: torch.Tensor,
+        M0: torch.Tensor | None,
+        pos0: torch.Tensor,
+        lengths: torch.Tensor,
+        return_kq: bool = False,
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None
+    ]:
+        B, T, _ = x.shape
+        q, k, v, theta, eta, alpha = self.project(x)
+        mem = self.mem
+        y, S, M = memory_scan(
+            q,
+            k,
+            v,
+            theta,
+            eta,
+            alpha,
+            S0,
+            M0,
+            pos0,
+            lengths,
+            n_blocks=mem.n_blocks,
+            horizon=mem.horizon,
+            qk_l2norm=mem.qk_l2norm,
+            backend=mem.backend,
+            training=self.training and torch.is_grad_enabled(),
+            chunk_size=mem.chunk_size,
+        )
+        kq = None
+        if return_kq:
+            positions = event_positions(pos0, lengths, T)
+            qt, kt, _ = masked_qk(q, k, positions, mem.n_blocks, mem.horizon, mem.qk_l2norm)
+            kq = (kt.detach(), qt.detach())
+        h = self.norm1(x + self.dropout(self.out(y.reshape(B, T, -1))))
+        if self.ffn is not None:
+            h = self.norm2(h + self.dropout(self.ffn(h)))
+        return h, S, M, kq
+
+
+class MemoryRecommender(nn.Module):
+    """Event embedding -> L memory layers -> read-out user vector; scores = user vector dot
+    the tied item embedding rows 0 .. n_items-1 (the TRAIN items)."""
+
+    def __init__(
+        self, n_items: int, n_oov_buckets: int, mem: MemoryConfig, model: ModelConfig
+    ) -> None:
+        super().__init__()
+        if n_items < 1:
+            raise ValueError("MemoryRecommender needs at least one item")
+        self.n_items = n_items
+        self.mem_cfg = mem
+        self.model_cfg = model
+        D = model.embed_dim
+        self.embed = EventEmbeddings(n_items + n_oov_buckets, model.n_time_buckets, D)
+        self.embed_norm = nn.LayerNorm(D)
+        self.embed_dropout = nn.Dropout(model.dropout)
+        self.layers = nn.ModuleList([MemoryLayer(mem, model) for _ in range(mem.n_layers)])
+        self.readout = nn.Linear(D, D)
+        self.use_kjt = False
+        """Look event features up through torchrec's KJT path (see EventEmbeddings)."""
+
+    @property
+    def embed_dim(self) -> int:
+        return self.model_cfg.embed_dim
+
+    def init_state(self, batch: int, device: torch.device | str) -> MemoryState:
+        m = self.mem_cfg
+        return MemoryState.zeros(
+            batch,
+            m.n_layers,
+            m.n_heads,
+            m.key_dim,
+            m.value_dim,
+            m.momentum,
+            self.embed_dim,
+            device=device,
+            dtype=self.readout.weight.dtype,
+        )
+
+    def item_weight(self) -> torch.Tensor:
+        """[n_items, D] the tied output embeddings of the TRAIN items."""
+        return self.embed.item_weight()[: self.n_items]
+
+    def advance(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts_ms: torch.Tensor,
+        lengths: torch.Tensor,
+        state: MemoryState,
+        *,
+        return_kq: bool = False,
+    ) -> AdvanceResult:
+        """Apply new events ([B, T], right-padded; ``lengths`` [B] valid counts) to ``state``."""
+        B, T = items.shape
+        if T == 0:
+            z = state.h.new_zeros(B, 0, self.embed_dim)
+            return AdvanceResult(state, z, None)
+        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
+        gaps = time_gap_buckets(
+            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
+        )
+        x = self.embed(
+            torch.where(valid, items, 0),
+            torch.where(valid, actions, 0),
+            torch.where(valid, gaps, 0),
+            lengths,
+            use_kjt=self.use_kjt,
+        )
+        x = self.embed_dropout(self.embed_norm(x))
+        Ss, Ms, ks, qs = [], [], [], []
+        for li, layer in enumerate(self.layers):
+            M0 = None if state.M is None else state.M[:, li]
+            x, S, M, kq = layer(x, state.S[:, li], M0, state.pos, lengths, return_kq)
+            Ss.append(S)
+            Ms.append(M)
+            if kq is not None:
+                ks.append(kq[0])
+                qs.append(kq[1])
+        out = self.readout(x) * valid[..., None]
+        last = torch.clamp(lengths - 1, min=0)
+        rows = torch.arange(B, device=items.device)
+        has = lengths > 0
+        h = torch.where(has[:, None], out[rows, last], state.h)
+        last_ts = torch.where(has, ts_ms[rows, last], state.last_ts)
+        new_state = MemoryState(
+            S=torch.stack(Ss, dim=1),
+            M=None if state.M is None else torch.stack([m for m in Ms if m is not None], dim=1),
+            pos=state.pos + lengths,
+            last_ts=last_ts,
+            h=h,
+        )
+        kq_out = (torch.stack(ks, dim=2), torch.stack(qs, dim=2)) if return_kq else None
+        return AdvanceResult(new_state, out, kq_out)
+
+    def score(self, user_vec: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, n_items] over the TRAIN catalog, or [B, C] for candidate indices [B, C]."""
+        if items is None:
+            return user_vec @ self.item_weight().T
+        cand = F.embedding(items, self.embed.item_weight())
+        return torch.einsum("bd,bcd->bc", user_vec, cand)
+
+    # Scorer protocol (offline_eval.evaluate) -------------------------------------------
+
+    def item_matrix(self) -> torch.Tensor:
+        return self.item_weight().detach()
+
+    @torch.no_grad()
+    def user_vectors(
+        self, seqs: EventSeqs, query_rows: np.ndarray, batch_users: int = 256
+    ) -> torch.Tensor:
+        """[n, D] user vector after event row r (the user's events up to and including r),
+        for each r in ``query_rows``; each batch of users runs once through ``advance``."""
+        was_training = self.training
+        self.eval()
+        try:
+            return _gather_user_vectors(self, seqs, np.asarray(query_rows), batch_users)
+        finally:
+            self.train(was_training)
+
+
+def _gather_user_vectors(
+    model: MemoryRecommender, seqs: EventSeqs, rows: np.ndarray, batch_users: int
+) -> torch.Tensor:
+    weight = model.readout.weight
+    device = weight.device
+    result = torch.zeros(len(rows), model.embed_dim, device=device, dtype=weight.dtype)
+    if len(rows) == 0:
+        return result
+    user_of = seqs.user_of_event()[rows]
+    pos_in = rows - seqs.offsets[user_of]
+    users = np.unique(user_of)
+    # Only the events up to each user's last query row are needed.
+    need = np.zeros(seqs.n_users, dtype=np.int64)
+    np.maximum.at(need, user_of, pos_in + 1)
+    order = users[np.argsort(need[users], kind="stable")]
+    for start in range(0, len(order), batch_users):
+        batch = order[start : start + batch_users]
+        items, actions, ts, lengths = padded_batch(seqs, batch, need[batch], device)
+        res = model.advance(items, actions, ts, lengths, model.init_state(len(batch), device))
+        slot = np.full(seqs.n_users, -1, dtype=np.int64)
+        slot[batch] = np.arange(len(batch))
+        sel = np.nonzero(slot[user_of] >= 0)[0]
+        b_idx = torch.as_tensor(slot[user_of[sel]], device=device)
+        t_idx = torch.as_tensor(pos_in[sel], device=device)
+        result[torch.as_tensor(sel, device=device)] = res.outputs[b_idx, t_idx]
+    return result
+
+
+def padded_batch(
+    seqs: EventSeqs,
+    users: np.ndarray,
+    lengths: np.ndarray,
+    device: torch.device | str,
+    start: np.ndarray | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded [B, T] items, actions, ts_ms and lengths [B] of events
+    ``start[b] .. start[b] + lengths[b]`` (relative to each user's first event)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    B, T = len(users), int(lengths.max()) if len(users) else 0
+    first = seqs.offsets[users] + (0 if start is None else start)
+    cols = np.arange(T)[None, :]
+    mask = cols < lengths[:, None]
+    idx = np.where(mask, first[:, None] + cols, 0)
+
+    def take(a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.where(mask, a[idx], 0).astype(np.int64), device=device)
+
+    del B
+    return (
+        take(seqs.items),
+        take(seqs.actions),
+        take(seqs.ts_ms),
+        torch.as_tensor(lengths, device=device),
+    )

@@ -1,0 +1,198 @@
+"""MemoryRecommender: shapes, causality, padding, chunked advance, KJT path, scoring."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models.embeddings import kjt_available
+from models.features import (
+    seq_time_gap_buckets_np,
+    time_gap_buckets,
+    time_gap_buckets_np,
+    time_gap_edges_s,
+)
+from models.recommender import MemoryRecommender
+from recmem.config import Config
+from tests.models.synth import cyclic_seqs
+
+N_ITEMS, N_OOV = 30, 4
+
+
+def small_model(
+    momentum: bool = True, n_blocks: int = 4, seed: int = 0, double: bool = True
+) -> MemoryRecommender:
+    cfg = Config()
+    cfg.memory.key_dim = cfg.memory.value_dim = 8
+    cfg.memory.n_heads = 2
+    cfg.memory.n_blocks = n_blocks
+    cfg.memory.horizon = 8
+    cfg.memory.momentum = momentum
+    cfg.memory.backend = "recurrent"
+    cfg.model.embed_dim = 16
+    torch.manual_seed(seed)
+    model = MemoryRecommender(N_ITEMS, N_OOV, cfg.memory, cfg.model).eval()
+    return model.double() if double else model
+
+
+def batch(B: int = 3, T: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    items = torch.randint(0, N_ITEMS + N_OOV, (B, T), generator=g)
+    actions = torch.randint(0, 6, (B, T), generator=g)
+    ts = 10**9 + torch.cumsum(torch.randint(0, 10**7, (B, T), generator=g), dim=1)
+    return items, actions, ts
+
+
+def advance(model, items, actions, ts, lengths, state=None, **kw):
+    state = state if state is not None else model.init_state(items.shape[0], "cpu")
+    dtype = model.readout.weight.dtype
+    state.S, state.h = state.S.to(dtype), state.h.to(dtype)
+    if state.M is not None:
+        state.M = state.M.to(dtype)
+    return model.advance(items, actions, ts, lengths, state, **kw)
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_shapes_and_state(momentum: bool) -> None:
+    model = small_model(momentum)
+    items, actions, ts = batch()
+    lengths = torch.tensor([12, 5, 0])
+    res = advance(model, items, actions, ts, lengths, return_kq=True)
+    assert res.outputs.shape == (3, 12, 16)
+    assert res.state.S.shape == (3, 2, 2, 8, 8)
+    assert (res.state.M is None) == (not momentum)
+    assert res.state.pos.tolist() == [12, 5, 0]
+    assert res.state.last_ts.tolist() == [int(ts[0, 11]), int(ts[1, 4]), -1]
+    assert torch.equal(res.state.h[0], res.outputs[0, 11])
+    assert torch.equal(res.state.h[1], res.outputs[1, 4])
+    assert torch.equal(res.state.h[2], torch.zeros(16, dtype=torch.float64))
+    assert torch.equal(res.state.S[2], torch.zeros_like(res.state.S[2]))
+    assert torch.all(res.outputs[1, 5:] == 0)
+    k, q = res.kq
+    assert k.shape == q.shape == (3, 12, 2, 2, 8)
+    # Position 1 opens only the first block (2 of 8 rows) of every key.
+    assert torch.all(k[0, 0, :, :, 2:] == 0) and torch.any(k[0, 0, :, :, :2] != 0)
+
+
+def test_causal() -> None:
+    model = small_model()
+    items, actions, ts = batch(2, 10)
+    lengths = torch.tensor([10, 10])
+    a = advance(model, items, actions, ts, lengths).outputs
+    items2 = items.clone()
+    items2[:, 6:] = (items2[:, 6:] + 7) % N_ITEMS
+    b = advance(model, items2, actions, ts, lengths).outputs
+    assert torch.equal(a[:, :6], b[:, :6])
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_padding_is_a_no_op() -> None:
+    model = small_model()
+    items, actions, ts = batch(2, 10)
+    lengths = torch.tensor([4, 7])
+    a = advance(model, items, actions, ts, lengths)
+    noise = batch(2, 10, seed=5)
+    mask = torch.arange(10)[None, :] >= lengths[:, None]
+    items2, actions2, ts2 = (torch.where(mask, n, x) for n, x in zip(noise, (items, actions, ts)))
+    b = advance(model, items2, actions2, ts2, lengths)
+    assert torch.equal(a.outputs, b.outputs)
+    assert torch.equal(a.state.S, b.state.S) and torch.equal(a.state.M, b.state.M)
+    # A narrower batch without the padding columns gives the same result.
+    c = advance(model, items[:, :7], actions[:, :7], ts[:, :7], lengths)
+    assert torch.allclose(a.state.S, c.state.S, atol=1e-12)
+    assert torch.allclose(a.outputs[:, :7], c.outputs, atol=1e-12)
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_two_calls_equal_one(momentum: bool) -> None:
+    model = small_model(momentum)
+    items, actions, ts = batch(3, 14)
+    lengths = torch.tensor([14, 9, 3])
+    whole = advance(model, items, actions, ts, lengths)
+    cut = 6
+    l1 = torch.clamp(lengths, max=cut)
+    first = advance(model, items[:, :cut], actions[:, :cut], ts[:, :cut], l1)
+    l2 = lengths - l1
+    second = advance(model, items[:, cut:], actions[:, cut:], ts[:, cut:], l2, first.state)
+    assert torch.equal(second.state.pos, whole.state.pos)
+    assert torch.equal(second.state.last_ts, whole.state.last_ts)
+    assert torch.allclose(second.state.S, whole.state.S, atol=1e-10)
+    if momentum:
+        assert torch.allclose(second.state.M, whole.state.M, atol=1e-10)
+    assert torch.allclose(second.state.h, whole.state.h, atol=1e-10)
+    for b in range(3):
+        n1 = int(l1[b])
+        joined = torch.cat([first.outputs[b, :n1], second.outputs[b, : int(l2[b])]])
+        assert torch.allclose(joined, whole.outputs[b, : int(lengths[b])], atol=1e-10)
+
+
+def test_kjt_path_equals_padded_path() -> None:
+    assert kjt_available(torch.device("cpu"))
+    # torchrec's EmbeddingCollection returns float32, so compare a float32 model.
+    model = small_model(double=False)
+    items, actions, ts = batch(3, 9)
+    lengths = torch.tensor([9, 4, 0])
+    gaps = time_gap_buckets(ts, torch.full_like(ts, 10**9), 16)
+    padded = model.embed(items, actions, gaps, lengths, use_kjt=False)
+    kjt = model.embed(items, actions, gaps, lengths, use_kjt=True)
+    assert torch.equal(padded, kjt)
+    expected = model.embed.item_weight()[items[0, 2]] + model.embed.table("action")[actions[0, 2]]
+    assert torch.allclose(padded[0, 2], expected + model.embed.table("gap")[gaps[0, 2]])
+    model.use_kjt = True
+    a = advance(model, items, actions, ts, lengths)
+    model.use_kjt = False
+    b = advance(model, items, actions, ts, lengths)
+    assert torch.equal(a.outputs, b.outputs)
+
+
+def test_score_full_and_candidates() -> None:
+    model = small_model()
+    u = torch.randn(2, 16, dtype=torch.float64)
+    full = model.score(u)
+    assert full.shape == (2, N_ITEMS)
+    cand = torch.tensor([[3, 0, 29], [7, 7, 1]])
+    part = model.score(u, cand)
+    assert torch.allclose(part, torch.gather(full, 1, cand))
+    assert torch.equal(model.item_matrix(), model.embed.item_weight()[:N_ITEMS])
+
+
+def test_user_vectors_match_advance() -> None:
+    model = small_model()
+    seqs = cyclic_seqs(n_users=5, n_items=N_ITEMS, max_len=12)
+    rows = np.array(
+        [seqs.offsets[1] + 2, seqs.offsets[3], seqs.offsets[4] + 1, seqs.offsets[4] + 2]
+    )
+    got = model.user_vectors(seqs, rows, batch_users=2).double()
+    for i, r in enumerate(rows):
+        u = int(np.searchsorted(seqs.offsets, r, side="right") - 1)
+        s, e = int(seqs.offsets[u]), int(r) + 1
+        out = advance(
+            model,
+            torch.as_tensor(seqs.items[s:e])[None],
+            torch.as_tensor(seqs.actions[s:e])[None],
+            torch.as_tensor(seqs.ts_ms[s:e])[None],
+            torch.tensor([e - s]),
+        ).outputs
+        assert torch.allclose(got[i], out[0, -1], atol=1e-10)
+
+
+def test_time_gap_buckets() -> None:
+    rng = np.random.default_rng(0)
+    ts = rng.integers(2 * 10**13, 3 * 10**13, size=2000)
+    prev = ts - np.exp(rng.uniform(0, 30, size=2000)).astype(np.int64)
+    prev[:10] = -1
+    a = time_gap_buckets_np(ts, prev, 16)
+    b = time_gap_buckets(torch.as_tensor(ts), torch.as_tensor(prev), 16).numpy()
+    assert np.array_equal(a, b)
+    assert np.all(a[:10] == 0) and a.min() == 0 and a.max() == 15 and np.all(a[10:] >= 1)
+    edges = time_gap_edges_s(16)
+    for i, edge in enumerate(edges):
+        gap_ms = int(np.ceil(edge * 1000)) + 1
+        assert time_gap_buckets_np(np.array([gap_ms]), np.array([0]), 16)[0] == 1 + i
+    assert time_gap_buckets_np(np.array([5]), np.array([5]), 16)[0] == 1
+    offs = np.array([0, 3, 5])
+    got = seq_time_gap_buckets_np(np.array([0, 0, 10**6, 7, 7]), offs, 16)
+    assert got[0] == 0 and got[3] == 0 and got[1] == 1 and got[2] > 1
+    with pytest.raises(ValueError):
+        time_gap_edges_s(1)
