@@ -286,8 +286,8 @@ class EventConsumer:
         for p in self._assigned:
             tp = TopicPartition(self.cfg.topic, p)
             try:
-                high = self._consumer.highwater(tp)
-                pos = self._consumer.position(tp, timeout_ms=100)
+                high = self._consumer.highwater(tp)  # known once a fetch for tp returned
+                pos = self._consumer.position(tp, timeout_ms=100) if high is not None else None
             except KafkaError:
                 continue
             if high is not None and pos is not None:
