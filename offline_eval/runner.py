@@ -44,6 +44,7 @@ _UNAVAILABLE: dict[str, str] = {
     "memory-proteus-notebank": "NoteBank replay is not wired into offline evaluation yet",
 }
 _plugins_loaded = False
+_plugin_errors: list[str] = []
 
 
 def register_model(name: str, factory: ModelFactory) -> None:
@@ -64,7 +65,11 @@ def _load_plugins() -> None:
         return
     _plugins_loaded = True
     if importlib.util.find_spec("offline_eval.models_registry") is not None:
-        importlib.import_module("offline_eval.models_registry")
+        try:
+            importlib.import_module("offline_eval.models_registry")
+        except ImportError as e:
+            _plugin_errors.append(f"offline_eval.models_registry failed to import: {e}")
+            log.error("%s", _plugin_errors[-1])
 
 
 def available_models() -> dict[str, str]:
@@ -106,7 +111,8 @@ def parse_models(spec: str) -> list[str]:
     known = available_models()
     unknown = [m for m in names if split_model_spec(m)[0] not in known]
     if unknown:
-        raise ValueError(f"unknown model(s) {unknown}; known: {sorted(known)}")
+        hint = f" ({'; '.join(_plugin_errors)})" if _plugin_errors else ""
+        raise ValueError(f"unknown model(s) {unknown}; known: {sorted(known)}{hint}")
     if not names:
         raise ValueError("no models given")
     return names
