@@ -18,19 +18,45 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from models.recommender import MemoryRecommender
 from models.sasrec import SASRec, SASRecConfig, train_sasrec
 from models.train import TrainResult, pick_device, seed_everything, train_memory_model
 from offline_eval.evaluate import evaluate
 from offline_eval.split import TimeSplit, load_or_build_split
-from recmem.config import Config
+from recmem.config import Config, set_value
 from recmem.modelstore import save_model
 
 log = logging.getLogger(__name__)
 
 SPLIT_PREFIX = "split:"
+
+
+DEMO_PRESET: dict[str, Any] = {
+    "data.dataset": "ml-100k",
+    "memory.n_heads": 4,
+    "memory.key_dim": 32,
+    "memory.value_dim": 32,
+    "memory.n_blocks": 8,
+    "memory.horizon": 128,
+    "train.epochs": 20,
+    "train.patience": 2,
+    "train.max_seconds": 240.0,
+}
+"""``recmem demo``: a model small enough to train on ML-100K in a few minutes on 2 CPU
+cores. Applied to fields still at their defaults, so ``--set`` and config files win."""
+
+
+def apply_demo_preset(cfg: Config) -> None:
+    """Apply DEMO_PRESET to the fields of ``cfg`` that still hold their default value; on
+    CPU the memory backend ``auto`` becomes ``recurrent`` (the faster path there)."""
+    defaults = Config()
+    for dotted, value in DEMO_PRESET.items():
+        sec, name = dotted.split(".")
+        if getattr(getattr(cfg, sec), name) == getattr(getattr(defaults, sec), name):
+            set_value(cfg, dotted, value, origin="demo preset")
+    if cfg.memory.backend == "auto" and pick_device(cfg.train.device).type == "cpu":
+        cfg.memory.backend = "recurrent"
 
 
 def prepare_split(cfg: Config) -> TimeSplit:
@@ -84,12 +110,12 @@ def build_sasrec(split: TimeSplit, cfg: Config) -> SASRec:
 
 def train_on_split(
     split: TimeSplit, cfg: Config, kind: str = "memory", validate: bool = True
-) -> tuple[nn.Module, TrainResult]:
+) -> tuple[MemoryRecommender | SASRec, TrainResult]:
     """Build and train a ``memory`` or ``sasrec`` model on the split's TRAIN prefixes; the
     returned model holds the weights of the best VALID epoch."""
     device = pick_device(cfg.train.device)
     lengths = split.train_prefix_lengths()
-    model: nn.Module
+    model: MemoryRecommender | SASRec
     if kind == "memory":
         model = build_memory_model(split, cfg).to(device)
         cb = valid_callback(model, split, cfg) if validate else None

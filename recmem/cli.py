@@ -30,27 +30,31 @@ def _cmd_config(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def _cmd_train(args: argparse.Namespace, cfg: Config) -> int:
-    from offline_eval.training import run_train
+    from offline_eval.training import SPLIT_PREFIX, run_train
 
     if args.dataset:
         cfg.data.dataset = args.dataset
-    metrics = run_train(cfg, Path(args.out))
+    if args.split:
+        cfg.data.dataset = SPLIT_PREFIX + args.split
+    metrics = run_train(cfg, Path(args.out), kind=args.model)
     best = metrics.get("best_valid", {})
     print(
-        f"trained on {cfg.data.dataset}: VALID "
-        + ", ".join(f"{k}={v:.4f}" for k, v in best.items() if isinstance(v, float))
+        f"trained {args.model} on {metrics['dataset']}: VALID "
+        + ", ".join(f"{k}={v:.4f}" for k, v in best.items() if k != "n")
     )
     print(f"checkpoint and metrics.json in {args.out}")
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
-    from offline_eval.training import run_train
+    from offline_eval.training import apply_demo_preset, run_train
 
+    apply_demo_preset(cfg)
     out = Path(args.out)
     metrics = run_train(cfg, out)
     best = metrics.get("best_valid", {})
-    print("\nrecmem demo: small memory model on MovieLens-100K (strict global time split)")
+    print(f"\nrecmem demo: small memory model on {metrics['dataset']} (strict global time split)")
+    print(f"  trained {len(metrics['history'])} epochs in {metrics['train_seconds']:.0f} s")
     for key in ("hr@10", "ndcg@10", "mrr@10", "hr@50"):
         if key in best:
             print(f"  VALID {key:8s} {best[key]:.4f}")
@@ -83,6 +87,17 @@ def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
         else:
             print(f"  {name:26s} NDCG@10 {o['ndcg@10']:.4f}  HR@10 {o['hr@10']:.4f}")
     print(f"summary.json and report.md in {args.out}")
+    return 0
+
+
+def _cmd_ingest(args: argparse.Namespace, cfg: Config) -> int:
+    from recmem.ingest import run_ingest
+
+    totals = run_ingest(cfg, init_model=args.init_model)
+    print(
+        f"ingest stopped: {totals.events} events applied in {totals.batches} batches, "
+        f"{totals.checkpoints} checkpoints written"
+    )
     return 0
 
 
@@ -153,6 +168,7 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
     "broker": ("run the embedded Kafka-compatible broker (tansu) on loopback", _cmd_broker),
     "demo": ("the main job on the embedded default (see README)", _cmd_demo),
     "serve": ("consumer + engine + archive + gRPC rank service in one process", _cmd_serve),
+    "ingest": ("consume the events topic into per-user memories (until SIGTERM)", _cmd_ingest),
 }
 
 
@@ -179,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--out", required=True, help="output directory for checkpoint and metrics.json"
             )
+            p.add_argument(
+                "--split", help="a prepared split (.npz from recmem eval --prepare-split) to use"
+            )
+            p.add_argument(
+                "--model", choices=("memory", "sasrec"), default="memory", help="what to train"
+            )
         if name == "eval":
             p.add_argument(
                 "--dataset",
@@ -193,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
                 "--prepare-split",
                 metavar="PATH",
                 help="only build the split and save it at PATH (.npz + .json), then exit",
+            )
+        if name == "ingest":
+            p.add_argument(
+                "--init-model",
+                action="store_true",
+                help="if server.model_dir holds no model, save a freshly initialised one there",
             )
         if name == "serve":
             p.add_argument(
