@@ -4,20 +4,25 @@ COPIES of the users' live memory states. A rank call never changes the live stat
 For each request of a micro-batch:
 
 1. Copy the user's state (``RankSources.snapshot``); position 0 means the user is unknown.
-2. Query events: the request's context events when it has any, else (only when replay is
-   on) the user's latest ``query_events`` raw events as the engine recorded them. These are
-   the "question" of the NoteBank paper: what the next item should follow.
-3. Route (replay on): run the query events on a temporary copy of the state with their
-   masked queries q~ returned (positions continue after the user's position) and hand the
-   q~ to the archive, which votes per channel and returns the top-R notes in time order.
-4. Final pass, on a fresh copy: the notes' raw events (chronological, positions continuing
+2. Query events (the "question" of the NoteBank paper: what the next item should follow):
+   the request's context events when it has any, else, only when replay is on, the user's
+   latest ``query_events`` applied events as the engine recorded them.
+3. Route (replay on): the masked queries q~ of the query events go to the archive, which
+   votes per channel and returns the top-R notes in time order. For context events q~ is
+   computed by running them on a temporary copy of the state (positions continue after
+   the user's position); for the user's own latest events it is the q~ the engine
+   computed when it applied them (kept with the raw events), which is the same quantity
+   at the same positions, so no extra pass is needed.
+4. Final pass, on the copy: the notes' raw events (chronological, positions continuing
    after the user's position), then the query events, so the read-out sits on the user's
-   most recent event with the replayed evidence in memory. Without replay only the
-   context events run (none: the copy's stored read-out ``h`` is used as is).
+   most recent event with the replayed evidence in memory (without context this re-reads
+   the latest event once more on the copy). Without replay only the context events run
+   (none: the copy's stored read-out ``h`` is the user vector).
 5. Score the user vector against the candidates or the whole TRAIN catalog; top-k.
 
-Steps 3 and 4 are each ONE padded ``advance`` over all requests of the micro-batch, and
-scoring is one matmul for the whole-catalog requests plus one for the candidate requests.
+Steps 3 and 4 are each at most ONE padded ``advance`` over the requests of the micro-batch
+that need it, and scoring is one matmul for the whole-catalog requests plus one for the
+candidate requests.
 
 An unknown user without context gets TRAIN popularity (``cold_start``); with context the
 answer comes from the context alone (a fresh zero state).
@@ -95,6 +100,15 @@ class RankResult:
     context_applied: int
 
 
+class BatchRanker(Protocol):
+    """What the service runs per micro-batch: the Ranker, or a baseline behind the same API."""
+
+    @property
+    def n_items(self) -> int: ...
+
+    def rank(self, queries: Sequence[RankQuery]) -> list[RankResult]: ...
+
+
 class RankSources(Protocol):
     """What the rank step reads from the engine and the archive (all read-only)."""
 
@@ -104,6 +118,11 @@ class RankSources(Protocol):
 
     def recent_events(self, user_id: str, n: int) -> UserEvents:
         """Up to ``n`` of the user's latest applied raw events (empty when not kept)."""
+        ...
+
+    def recent_queries(self, user_id: str, n: int) -> torch.Tensor | None:
+        """q~ [n', L, H, K] the engine computed for the same events ``recent_events``
+        returns (None when not kept: the Ranker then computes them on a copy)."""
         ...
 
     def route(self, user_id: str, queries: torch.Tensor, n_notes: int) -> list[UserEvents]:
@@ -164,6 +183,11 @@ class Ranker:
         self.batches = 0
         """Micro-batches ranked so far."""
 
+    @property
+    def n_items(self) -> int:
+        """Size of the TRAIN catalog this ranker scores."""
+        return self.model.n_items
+
     @torch.no_grad()
     def rank(self, queries: Sequence[RankQuery]) -> list[RankResult]:
         """Rank a micro-batch; results in request order."""
@@ -177,22 +201,29 @@ class Ranker:
 
         # Query events: the context, else (replay only) the user's latest events.
         query_ev: list[UserEvents] = []
+        stored_q: list[torch.Tensor | None] = []
         for q, p in zip(queries, live_pos):
             if len(q.context) or not q.replay_notes or p == 0:
                 query_ev.append(q.context)
+                stored_q.append(None)
             else:
                 query_ev.append(self.sources.recent_events(q.user_id, self.query_events))
+                stored_q.append(self.sources.recent_queries(q.user_id, self.query_events))
 
-        notes = self._route(queries, base, query_ev, live_pos)
+        notes = self._route(queries, base, query_ev, stored_q, live_pos)
 
-        final_rows: list[UserEvents] = []
-        for q, qe, ns in zip(queries, query_ev, notes):
-            final_rows.append(UserEvents.concat([*ns, qe]) if ns else q.context)
-        state = base
-        if any(len(r) for r in final_rows):
-            items, actions, ts, lengths = _pad(final_rows, self.device)
-            state = self.model.advance(items, actions, ts, lengths, base).state
-        user_vec = state.h
+        final_rows = [
+            UserEvents.concat([*ns, qe]) if ns else q.context
+            for q, qe, ns in zip(queries, query_ev, notes)
+        ]
+        user_vec = base.h
+        busy = [i for i, r in enumerate(final_rows) if len(r)]
+        if busy:
+            # only the rows with events run; the others keep their stored read-out
+            rows = torch.as_tensor(busy, device=self.device)
+            items, actions, ts, lengths = _pad([final_rows[i] for i in busy], self.device)
+            res = self.model.advance(items, actions, ts, lengths, base.index(rows))
+            user_vec = base.h.index_copy(0, rows, res.state.h)
 
         results: list[RankResult] = []
         top = self._score(queries, user_vec, cold)
@@ -226,28 +257,34 @@ class Ranker:
         queries: Sequence[RankQuery],
         base: MemoryState,
         query_ev: Sequence[UserEvents],
+        stored_q: Sequence[torch.Tensor | None],
         live_pos: Sequence[int],
     ) -> list[list[UserEvents]]:
-        """Notes to replay per request: one kq pass over the query events of the replay
-        requests (on a temporary copy), then the archive's vote per user."""
+        """Notes to replay per request: q~ of the query events (stored, or one kq pass on a
+        temporary copy for the rest), then the archive's vote per user."""
         want = [
             i
             for i, q in enumerate(queries)
             if q.replay_notes > 0 and live_pos[i] > 0 and len(query_ev[i]) > 0
         ]
         notes: list[list[UserEvents]] = [[] for _ in queries]
-        if not want:
-            return notes
-        rows = torch.as_tensor(want, device=self.device)
-        items, actions, ts, lengths = _pad([query_ev[i] for i in want], self.device)
-        res = self.model.advance(items, actions, ts, lengths, base.index(rows), return_kq=True)
-        assert res.kq is not None
-        q_tilde = res.kq[1]  # [B', T, L, H, K]
-        for j, i in enumerate(want):
-            n = int(lengths[j])
-            notes[i] = self.sources.route(
-                queries[i].user_id, q_tilde[j, :n], queries[i].replay_notes
-            )
+        q_tilde: dict[int, torch.Tensor] = {}
+        todo = []
+        for i in want:
+            got = stored_q[i]
+            if got is not None and len(got) == len(query_ev[i]):
+                q_tilde[i] = got
+            else:
+                todo.append(i)
+        if todo:
+            rows = torch.as_tensor(todo, device=self.device)
+            items, actions, ts, lengths = _pad([query_ev[i] for i in todo], self.device)
+            res = self.model.advance(items, actions, ts, lengths, base.index(rows), return_kq=True)
+            assert res.kq is not None
+            for j, i in enumerate(todo):
+                q_tilde[i] = res.kq[1][j, : int(lengths[j])]
+        for i in want:
+            notes[i] = self.sources.route(queries[i].user_id, q_tilde[i], queries[i].replay_notes)
         return notes
 
     def _cold(self, q: RankQuery) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.config import Config
-from recmem.ranking import Ranker, RankQuery, RankResult
+from recmem.ranking import BatchRanker, RankQuery, RankResult
 from recmem.server.auth import BearerTokenInterceptor, server_credentials
 from recmem.server.batcher import MicroBatcher
 from recmem.server.servicer import Inspector, RecMemServicer
@@ -48,15 +48,13 @@ class RankServer:
     def __init__(
         self,
         cfg: Config,
-        ranker: Ranker,
+        ranker: BatchRanker,
         vocab: ItemVocab,
         model_version: str,
         inspector: Inspector,
     ) -> None:
-        if vocab.n_items != ranker.model.n_items:
-            raise ValueError(
-                f"vocabulary has {vocab.n_items} items, the model {ranker.model.n_items}"
-            )
+        if vocab.n_items != ranker.n_items:
+            raise ValueError(f"vocabulary has {vocab.n_items} items, the model {ranker.n_items}")
         s = cfg.server
         self.cfg = cfg
         self.batcher: MicroBatcher[RankQuery, RankResult] = MicroBatcher(

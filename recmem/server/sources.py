@@ -2,10 +2,11 @@
 user's latest raw events (RecentEventsHook) and routed notes (NoteBank.route).
 
 ``RecentEventsHook`` sits in the engine's archive seam (recmem.engine.ArchiveHook) in front
-of the NoteBank hook: it keeps each user's last few raw events, which are the routing query
-and the "question" re-read after a replay when a request carries no context (see
-recmem/ranking.py). The tails travel in the partition checkpoint next to the notes (keys
-``recent.*``), so they survive restarts like the state they belong to.
+of the NoteBank hook: it keeps each user's last few raw events with the masked queries q~
+the engine computed for them. They are the routing query and the "question" re-read after
+a replay when a request carries no context (see recmem/ranking.py). The tails travel in
+the partition checkpoint next to the notes (keys ``recent.*``), so they survive restarts
+like the state they belong to.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class RecentEventsHook:
         self.inner = inner
         self.keep = keep
         self._tails: dict[str, UserEvents] = {}
+        self._queries: dict[str, np.ndarray] = {}
+        """user -> q~ [n, L, H, K] of the tail events (float32, host)."""
         self._lock = threading.Lock()
 
     def observe(
@@ -48,17 +51,27 @@ class RecentEventsHook:
         kq: tuple[torch.Tensor, torch.Tensor],
         positions: np.ndarray,
     ) -> None:
+        k = self.keep
+        rows = [b for b in range(len(user_ids)) if lengths[b] > 0]
+        if rows:
+            # the q~ of each user's last <= keep new events, moved to the host in one copy
+            T = items.shape[1]
+            cols = np.arange(T - k, T)[None, :] + (lengths[rows][:, None] - T)
+            take = torch.as_tensor(np.clip(cols, 0, None), device=kq[1].device)
+            b_idx = torch.as_tensor(rows, device=kq[1].device)[:, None]
+            tail_q = kq[1][b_idx, take].detach().to("cpu", torch.float32).numpy()
         with self._lock:
-            for b, user in enumerate(user_ids):
-                n = int(lengths[b])
-                if n == 0:
-                    continue
+            for j, b in enumerate(rows):
+                user, n = user_ids[b], int(lengths[b])
                 new = UserEvents(items[b, :n], actions[b, :n], ts_ms[b, :n])
+                new_q = tail_q[j, max(0, k - n) :]
                 both = UserEvents.concat([self._tails.get(user, UserEvents.empty()), new])
-                k = self.keep
+                old_q = self._queries.get(user)
+                q = new_q if old_q is None else np.concatenate([old_q, new_q])
                 self._tails[user] = UserEvents(
                     both.items[-k:].copy(), both.actions[-k:].copy(), both.ts_ms[-k:].copy()
                 )
+                self._queries[user] = q[-k:].copy()
         if self.inner is not None:
             self.inner.observe(user_ids, items, actions, ts_ms, lengths, kq, positions)
 
@@ -69,15 +82,24 @@ class RecentEventsHook:
             return UserEvents.empty()
         return UserEvents(tail.items[-n:], tail.actions[-n:], tail.ts_ms[-n:])
 
+    def recent_queries(self, user_id: str, n: int) -> np.ndarray | None:
+        """q~ [n', L, H, K] of the events ``recent(user_id, n)`` returns (None if unknown)."""
+        with self._lock:
+            q = self._queries.get(user_id)
+        return None if q is None else q[-n:]
+
     def export_notes(self, user_ids: list[str]) -> dict[str, np.ndarray]:
         out = dict(self.inner.export_notes(user_ids)) if self.inner is not None else {}
         with self._lock:
             tails = [self._tails.get(u, UserEvents.empty()) for u in user_ids]
+            queries = [self._queries.get(u) for u, t in zip(user_ids, tails) if len(t)]
         out[_PREFIX + "lengths"] = np.array([len(t) for t in tails], dtype=np.int64)
         joined = UserEvents.concat(tails)
         out[_PREFIX + "items"] = joined.items
         out[_PREFIX + "actions"] = joined.actions
         out[_PREFIX + "ts_ms"] = joined.ts_ms
+        if queries and all(q is not None for q in queries):
+            out[_PREFIX + "queries"] = np.concatenate(queries).astype(np.float32)  # type: ignore[arg-type]
         return out
 
     def import_notes(self, user_ids: list[str], notes: dict[str, np.ndarray] | None) -> None:
@@ -93,6 +115,9 @@ class RecentEventsHook:
                     )
                 ends = np.cumsum(lengths)
                 starts = ends - lengths
+                queries = notes.get(_PREFIX + "queries")
+                if queries is not None and len(queries) != int(ends[-1] if len(ends) else 0):
+                    raise ValueError("checkpoint recent.queries do not match recent.lengths")
                 with self._lock:
                     for user, s, e in zip(user_ids, starts, ends):
                         if e > s:
@@ -101,6 +126,8 @@ class RecentEventsHook:
                                 notes[_PREFIX + "actions"][s:e].astype(np.int64),
                                 notes[_PREFIX + "ts_ms"][s:e].astype(np.int64),
                             )
+                            if queries is not None:
+                                self._queries[user] = queries[s:e].astype(np.float32)
         if self.inner is not None:
             self.inner.import_notes(user_ids, rest or None)
 
@@ -108,6 +135,7 @@ class RecentEventsHook:
         with self._lock:
             for user in user_ids:
                 self._tails.pop(user, None)
+                self._queries.pop(user, None)
         if self.inner is not None:
             self.inner.drop(user_ids)
 
@@ -138,6 +166,12 @@ class EngineSources:
 
     def recent_events(self, user_id: str, n: int) -> UserEvents:
         return self.recent.recent(user_id, n) if self.recent is not None else UserEvents.empty()
+
+    def recent_queries(self, user_id: str, n: int) -> torch.Tensor | None:
+        if self.recent is None:
+            return None
+        q = self.recent.recent_queries(user_id, n)
+        return None if q is None else torch.from_numpy(q)
 
     def route(self, user_id: str, queries: torch.Tensor, n_notes: int) -> list[UserEvents]:
         if self.bank is None:

@@ -52,6 +52,7 @@ class RankEnv:
     vocab: ItemVocab
     popularity: np.ndarray
     stack: RankStack
+    history: dict[str, UserEvents]
 
 
 def user_events(rng: np.random.Generator, n: int, t0: int = 1_000_000) -> UserEvents:
@@ -82,4 +83,4 @@ def make_env(spill_dir: Path, n_users: int = 6, seed: int = 0) -> RankEnv:
             for i in range(start, start + 10)
         ]
         stack.engine.apply(batch)
-    return RankEnv(cfg, model, vocab, popularity, stack)
+    return RankEnv(cfg, model, vocab, popularity, stack, history)

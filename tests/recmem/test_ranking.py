@@ -64,13 +64,32 @@ def routed_notes(env: RankEnv, user: str, query: UserEvents, r: int) -> list[Use
     return [UserEvents(n.items, n.actions, n.ts_ms) for n in notes]
 
 
+def test_stored_queries_are_the_q_of_the_latest_event(env: RankEnv) -> None:
+    """The routing query kept at ingest equals q~ of the user's last event computed from
+    scratch over the whole history."""
+    h = env.history["user2"]
+    with torch.no_grad():
+        res = env.model.advance(
+            _t(h.items), _t(h.actions), _t(h.ts_ms), torch.tensor([len(h)]),
+            env.model.init_state(1, "cpu"), return_kq=True,
+        )  # fmt: skip
+    assert res.kq is not None
+    stored = env.stack.sources.recent_queries("user2", 1)
+    assert stored is not None and stored.shape == (1, 2, 2, 16)
+    torch.testing.assert_close(stored[0], res.kq[1][0, -1], rtol=1e-4, atol=1e-5)
+    recent = env.stack.sources.recent_events("user2", 1)
+    assert recent.items.tolist() == h.items[-1:].tolist()
+
+
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_replay_runs_routed_notes_then_the_query_events(env: RankEnv, R: int) -> None:
     assert env.stack.bank.note_count("user2") >= 4
     (res,) = env.stack.ranker.rank([RankQuery("user2", k=N_ITEMS, replay_notes=R)])
     recent = env.stack.sources.recent_events("user2", env.cfg.server.replay_query_events)
-    assert len(recent) == 1
-    notes = routed_notes(env, "user2", recent, R)
+    stored = env.stack.sources.recent_queries("user2", 1)
+    assert len(recent) == 1 and stored is not None
+    routed = env.stack.bank.route("user2", stored, R)
+    notes = [UserEvents(n.items, n.actions, n.ts_ms) for n in routed]
     assert 1 <= len(notes) <= R and res.notes_replayed == len(notes)
     vec = expected_vector(env, "user2", UserEvents.concat([*notes, recent]))
     scores = (env.model.item_weight() @ vec).detach().numpy()

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -407,3 +408,43 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
         svc.stop(grace=1.0)
     assert svc.failure is None
     assert any(Path(cfg.checkpoint.dir).rglob("meta.json"))
+    # a restart restores states, notes and the recent-event tails from the checkpoint
+    svc = RecMemService(cfg, device="cpu").start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
+            stub = rank_pb2_grpc.RecMemStub(ch)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                info = stub.InspectUser(rank_pb2.InspectUserRequest(user_id="kafka-user1"))
+                if info.position == 20:
+                    break
+                time.sleep(0.2)
+            assert info.position == 20 and info.note_count >= 1
+            again = stub.Rank(
+                rank_pb2.RankRequest(
+                    user_id="kafka-user1", k=5, replay=rank_pb2.ReplayOptions(enabled=True)
+                ),
+                timeout=TIMEOUT,
+            )
+            assert [i.item_id for i in again.items] == [i.item_id for i in res.items]
+            assert again.notes_replayed == res.notes_replayed
+    finally:
+        svc.stop(grace=1.0)
+
+
+def test_recent_events_travel_with_the_checkpoint(env: RankEnv) -> None:
+    from recmem.server.sources import RecentEventsHook
+
+    users = ["user0", "user3", "nobody"]
+    hook = env.stack.recent
+    exported = hook.export_notes(users)
+    fresh = RecentEventsHook(None, hook.keep)
+    fresh.import_notes(users, exported)
+    for user in users:
+        assert fresh.recent(user, 5).ts_ms.tolist() == hook.recent(user, 5).ts_ms.tolist()
+        a, b = fresh.recent_queries(user, 5), hook.recent_queries(user, 5)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="users restored"):
+        fresh.import_notes(users[:2], exported)
