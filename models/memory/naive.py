@@ -47,7 +47,9 @@ def memory_step_reference(
     Returns (S_new, M_new, y) with y: [H, V].
     """
     K = S.shape[-2]
-    m = proteus_row_mask(torch.tensor(t), K, n_blocks, horizon, dtype=S.dtype)  # [K]
+    m = proteus_row_mask(
+        torch.tensor(t, device=S.device), K, n_blocks, horizon, dtype=S.dtype
+    )  # [K]
     kt, qt = m * k, m * q
     if qk_l2norm:
         kt, qt = l2norm(kt), l2norm(qt)

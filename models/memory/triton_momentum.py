@@ -142,6 +142,7 @@ def _launch(
     horizon: int,
     qk_l2norm: bool,
     block_v: int,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Kernel launch on packed [total, H, ...] events; returns y [total, H, V] (fp32)."""
     total, H, K = q.shape
@@ -152,6 +153,10 @@ def _launch(
         return y
     momentum = eta is not None and M_slab is not None
     BV = min(_next_pow2(V), block_v)
+    if num_warps is None:
+        # Measured on an H200 (bench/results/memory_gpu_h200_triton_sweep.json): one warp
+        # per program wins for sequences of several events, two for single events.
+        num_warps = 1 if total >= 4 * B else 2
     grid = (B, H, -(-V // BV))
     _kernel()[grid](
         q,
@@ -178,6 +183,7 @@ def _launch(
         QK_L2NORM=qk_l2norm,
         BK=_next_pow2(K),
         BV=BV,
+        num_warps=num_warps,
     )
     return y
 
@@ -199,6 +205,7 @@ def memory_ingest_triton(
     horizon: int,
     qk_l2norm: bool = True,
     block_v: int = 32,
+    num_warps: int | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Apply packed events of B users to their slab rows in place; returns y [total, H, V].
@@ -208,6 +215,8 @@ def memory_ingest_triton(
     applied; S_slab, M_slab: [N_slab, H, K, V] float32 contiguous; slots: [B] distinct rows
     of the slab. eta None: gated delta rule, M_slab is not touched. ``validate=False``
     skips the checks that read values back from the device (slot range, distinctness).
+    ``block_v`` (value columns per program) and ``num_warps`` (None: by events per user)
+    tune the launch.
     """
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(
@@ -253,7 +262,7 @@ def memory_ingest_triton(
     return _launch(
         c[0], c[1], c[2], c[3], None if eta is None else eta.contiguous(), c[4],
         S_slab, M_slab, seq_start, seq_len, pos0.contiguous(), slots.contiguous(),
-        n_blocks, horizon, qk_l2norm, block_v,
+        n_blocks, horizon, qk_l2norm, block_v, num_warps,
     )  # fmt: skip
 
 
@@ -273,6 +282,7 @@ def memory_scan_triton(
     horizon: int,
     qk_l2norm: bool = True,
     block_v: int = 32,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The common backend signature on the fused kernel (no autograd; fp32 inside)."""
     B, T, H, K = q.shape
@@ -311,6 +321,7 @@ def memory_scan_triton(
         horizon,
         qk_l2norm,
         block_v,
+        num_warps,
     )
     return (
         y.reshape(B, T, H, V).to(v.dtype),
