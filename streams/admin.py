@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
-from kafka import KafkaAdminClient
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
 from recmem.config import KafkaConfig
 
@@ -49,3 +50,33 @@ def ensure_topics(cfg: KafkaConfig, partitions: dict[str, int], timeout_s: float
             )
     finally:
         admin.close()
+
+
+def end_offsets(
+    cfg: KafkaConfig, topic: str | None = None, timeout_s: float = 10.0
+) -> dict[int, int]:
+    """Partition -> highwater (the offset the next record will get) of ``topic``
+    (``cfg.topic`` when not given).
+
+    Read from fetch responses rather than ``KafkaConsumer.end_offsets``, which tansu answers
+    wrongly after batched produce: seek each partition to (about) its end and poll until
+    every partition reported its highwater. Raises TimeoutError after ``timeout_s``."""
+    topic = topic or cfg.topic
+    consumer = KafkaConsumer(
+        client_id="recmem-offsets", enable_auto_commit=False, **client_settings(cfg)
+    )
+    try:
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            raise ValueError(f"topic {topic!r} does not exist")
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_end(*tps)
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.highwater(tp) is None for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no highwater for every partition of {topic} in {timeout_s}s")
+            consumer.poll(timeout_ms=100)
+        return {tp.partition: int(consumer.highwater(tp)) for tp in tps}
+    finally:
+        consumer.close()
