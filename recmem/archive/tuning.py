@@ -88,23 +88,33 @@ def _length_batches(users: np.ndarray, need: np.ndarray, max_slots: int) -> list
     return batches
 
 
-@torch.no_grad()
 def evidence_recall(
     model: MemoryRecommender,
     seqs: EventSeqs,
     target_rows: np.ndarray,
     cfg: ArchiveConfig,
+    **kw: Any,
+) -> EvidenceRecall:
+    """``evidence_recall_grid`` for one archive configuration."""
+    return evidence_recall_grid(model, seqs, target_rows, [cfg], **kw)[0]
+
+
+@torch.no_grad()
+def evidence_recall_grid(
+    model: MemoryRecommender,
+    seqs: EventSeqs,
+    target_rows: np.ndarray,
+    cfgs: Sequence[ArchiveConfig],
     *,
     event_keys: np.ndarray | None = None,
-    r: int | None = None,
     seed: int = 0,
     max_slots: int = 16_384,
-) -> EvidenceRecall:
-    """Archive every user's events before each target (rows of ``seqs``) and route with the
-    query of the event just before it. ``event_keys[row]`` is the key of each event of
-    ``seqs`` (default: its item; e.g. ``TimeSplit.event_cat``). Targets at a user's first
-    event are dropped."""
-    r = cfg.replay_notes if r is None else r
+) -> list[EvidenceRecall]:
+    """For each archive configuration: archive every user's events before each target
+    (rows of ``seqs``) and route with the query of the event just before it, R =
+    ``replay_notes``. The model runs once for all configurations. ``event_keys[row]`` is
+    the key of each event of ``seqs`` (default: its item; e.g. ``TimeSplit.event_cat``).
+    Targets at a user's first event are dropped."""
     rows = np.asarray(target_rows, dtype=np.int64)
     user_of = seqs.user_of_event()[rows]
     idx = rows - seqs.offsets[user_of]
@@ -115,10 +125,10 @@ def evidence_recall(
     if len(keys) != seqs.n_events:
         raise ValueError(f"event_keys has {len(keys)} entries for {seqs.n_events} events")
     mem = model.mem_cfg
-    bank = NoteBank(cfg, mem.key_dim, mem.n_layers * mem.n_heads, seed)
+    banks = [NoteBank(c, mem.key_dim, mem.n_layers * mem.n_heads, seed) for c in cfgs]
     rng = np.random.default_rng(seed)
-    flags = np.zeros((4, len(rows)), dtype=bool)
-    n_notes = np.zeros(len(rows), dtype=np.int64)
+    flags = np.zeros((len(cfgs), 4, len(rows)), dtype=bool)
+    n_notes = np.zeros((len(cfgs), len(rows)), dtype=np.int64)
     need = np.zeros(seqs.n_users, dtype=np.int64)
     np.maximum.at(need, user_of, idx)  # events 0 .. idx-1 come before the target
     device = next(model.parameters()).device
@@ -137,29 +147,31 @@ def evidence_recall(
             for b, u in enumerate(batch):
                 first = int(seqs.offsets[u])
                 ev = slice(first, first + int(need[u]))
-                uid, fed = str(u), 0
-                u_items = seqs.items[ev]
-                for j in range(first_target[u], first_target[u + 1]):
-                    t = int(idx[j])
-                    bank.observe(
-                        uid, u_items[fed:t], [str(i) for i in u_items[fed:t]],
-                        seqs.actions[ev][fed:t], seqs.ts_ms[ev][fed:t],
-                        np.arange(fed + 1, t + 1), k[b, fed:t], q[b, fed:t],
-                    )  # fmt: skip
-                    fed = t
-                    notes = bank.notes(uid)
-                    n_notes[j] = len(notes)
-                    target = keys[rows[j]]
-                    routed = bank.route(uid, q[b, t - 1], r=r)
-                    picks = [routed, notes[-r:] if r else [], _sample(notes, r, rng), notes]
-                    for f, chosen in enumerate(picks):
-                        flags[f, j] = any(
-                            np.any(keys[first + n.positions - 1] == target) for n in chosen
-                        )
-                bank.drop_users([uid])
+                u_items, uid = seqs.items[ev], str(u)
+                targets = range(first_target[u], first_target[u + 1])
+                for g, (c, bank) in enumerate(zip(cfgs, banks)):
+                    r, fed = c.replay_notes, 0
+                    for j in targets:
+                        t = int(idx[j])
+                        bank.observe(
+                            uid, u_items[fed:t], [str(i) for i in u_items[fed:t]],
+                            seqs.actions[ev][fed:t], seqs.ts_ms[ev][fed:t],
+                            np.arange(fed + 1, t + 1), k[b, fed:t], q[b, fed:t],
+                        )  # fmt: skip
+                        fed = t
+                        notes = bank.notes(uid)
+                        n_notes[g, j] = len(notes)
+                        routed = bank.route(uid, q[b, t - 1], r=r)
+                        picks = [routed, notes[-r:] if r else [], _sample(notes, r, rng), notes]
+                        for f, chosen in enumerate(picks):
+                            flags[g, f, j] = any(
+                                np.any(keys[first + n.positions - 1] == keys[rows[j]])
+                                for n in chosen
+                            )
+                    bank.drop_users([uid])
     finally:
         model.train(was_training)
-    return EvidenceRecall(rows, flags[0], flags[1], flags[2], flags[3], n_notes)
+    return [EvidenceRecall(rows, f[0], f[1], f[2], f[3], n) for f, n in zip(flags, n_notes)]
 
 
 def _sample(notes: list[Any], r: int, rng: np.random.Generator) -> list[Any]:

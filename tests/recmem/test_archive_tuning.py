@@ -4,7 +4,7 @@ import torch
 
 from models.recommender import MemoryRecommender
 from models.sequences import EventSeqs
-from recmem.archive.tuning import archive_grid, evidence_recall
+from recmem.archive.tuning import archive_grid, evidence_recall, evidence_recall_grid
 from recmem.config import ArchiveConfig, MemoryConfig, ModelConfig
 
 
@@ -51,3 +51,20 @@ def test_archive_grid():
     }
     with pytest.raises(ValueError, match="unknown archive fields"):
         archive_grid(ArchiveConfig(), nope=[1])
+
+
+def test_grid_runs_each_config_like_a_single_run():
+    torch.manual_seed(1)
+    mem = MemoryConfig(n_layers=1, n_heads=2, key_dim=16, value_dim=8, n_blocks=2, horizon=16)
+    model = MemoryRecommender(30, 4, mem, ModelConfig(embed_dim=16))
+    seqs = _seqs([50, 33], n_items=30, seed=2)
+    rows = np.arange(1, 83)
+    cfgs = archive_grid(
+        ArchiveConfig(window=2, address_dim=8), chunk_events=[8, 16], replay_notes=[1, 3]
+    )
+    grid = evidence_recall_grid(model, seqs, rows, cfgs, event_keys=seqs.items % 4)
+    for c, rep in zip(cfgs, grid):
+        one = evidence_recall(model, seqs, rows, c, event_keys=seqs.items % 4)
+        np.testing.assert_array_equal(rep.routed, one.routed)
+        np.testing.assert_array_equal(rep.archived, one.archived)
+        np.testing.assert_array_equal(rep.notes, one.notes)
