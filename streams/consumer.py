@@ -108,6 +108,7 @@ class EventConsumer:
         self._consumer: KafkaConsumer | None = None
         self._producer: KafkaProducer | None = None
         self._last_lag = 0.0
+        self._own_endpoint = False
 
     # ----------------------------------------------------------------- control
     def stop(self) -> None:
@@ -142,24 +143,26 @@ class EventConsumer:
         replays from the last checkpoint."""
         cfg = self.cfg
         settings = client_settings(cfg)
-        self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
-        self._producer = KafkaProducer(
-            client_id=f"{self.client_id}-dlq", acks="all", linger_ms=0, **settings
-        )
-        self._consumer = KafkaConsumer(
-            client_id=self.client_id,
-            group_id=cfg.group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            max_poll_records=cfg.max_poll_records,
-            fetch_max_wait_ms=max(1, min(cfg.max_wait_ms, 500)),
-            session_timeout_ms=cfg.session_timeout_ms,
-            heartbeat_interval_ms=cfg.heartbeat_interval_ms,
-            **settings,
-        )
-        self._consumer.subscribe([cfg.topic], listener=_Listener(self))
-        log.info("consuming %s as group %s", cfg.topic, cfg.group_id)
+        # the endpoint is ours to stop only if this run started it
+        self._own_endpoint = self.metrics.port == 0 and cfg.metrics_port > 0
         try:
+            self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            self._producer = KafkaProducer(
+                client_id=f"{self.client_id}-dlq", acks="all", linger_ms=0, **settings
+            )
+            self._consumer = KafkaConsumer(
+                client_id=self.client_id,
+                group_id=cfg.group_id,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                max_poll_records=cfg.max_poll_records,
+                fetch_max_wait_ms=max(1, min(cfg.max_wait_ms, 500)),
+                session_timeout_ms=cfg.session_timeout_ms,
+                heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+                **settings,
+            )
+            self._consumer.subscribe([cfg.topic], listener=_Listener(self))
+            log.info("consuming %s as group %s", cfg.topic, cfg.group_id)
             while not self._stop.is_set():
                 records = self._consumer.poll(
                     timeout_ms=cfg.max_wait_ms, max_records=cfg.max_poll_records
@@ -188,7 +191,8 @@ class EventConsumer:
                 log.warning("closing the consumer: %s", e)
         if producer is not None:
             producer.close(timeout=5)
-        self.metrics.close()
+        if self._own_endpoint:
+            self.metrics.close()
         self._assigned = []
         self.metrics.assigned.set(0)
         log.info("consumer of %s stopped", self.cfg.topic)

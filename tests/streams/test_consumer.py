@@ -205,3 +205,32 @@ def test_sigterm_finishes_the_batch_checkpoints_and_commits(kafka_config, tmp_pa
     assert result["owned_at_stop"] == {"0": result["applied"]}
     assert result["last"] == ["revoked", [0]]
     assert committed(cfg, [0]) == {0: result["applied"]}
+
+
+def test_a_failing_sink_ends_the_run_without_a_checkpoint(kafka_config):
+    class Failing(RecordingSink):
+        def apply_batch(self, events, next_offsets):
+            super().apply_batch(events, next_offsets)
+            raise RuntimeError("disk full")
+
+    cfg = kafka_config(partitions=2)
+    with EventProducer(cfg) as producer:
+        producer.send(events_for(4, 5), progress=False)
+    sink = Failing(checkpoint_every=1)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            EventConsumer(cfg, sink).run()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert [str(e) for e in errors] == ["disk full"]
+    kinds = [kind for kind, _ in sink.calls]
+    # the half-applied batch is never checkpointed or revoked into a checkpoint
+    assert kinds[-1] == "batch" and "checkpoint" not in kinds and "revoked" not in kinds
+    assert committed(cfg, [0, 1]) == {0: None, 1: None}
