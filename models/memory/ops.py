@@ -12,6 +12,7 @@ and ``fla_recurrent`` (gated delta rule only; ``fla`` is an alias of ``fla_chunk
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -40,11 +41,11 @@ def _register_fla() -> None:
     """fla's kernels need CUDA; register them only where they can run."""
     if not torch.cuda.is_available():
         return
-    try:
-        from models.memory.fla_gated import memory_scan_fla_chunk, memory_scan_fla_recurrent
-    except ImportError as exc:  # fla not installed on this machine
-        log.info("flash-linear-attention backends unavailable: %s", exc)
+    if importlib.util.find_spec("fla") is None:
+        log.info("flash-linear-attention is not installed: no fla backends")
         return
+    from models.memory.fla_gated import memory_scan_fla_chunk, memory_scan_fla_recurrent
+
     BACKENDS["fla_chunk"] = memory_scan_fla_chunk
     BACKENDS["fla_recurrent"] = memory_scan_fla_recurrent
 
