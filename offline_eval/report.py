@@ -144,6 +144,21 @@ def render_report(
             if _available(e):
                 rows.append([name] + [f"{_fmt(e[s][metric])} ({e[s]['n']})" for s in STRATA])
         lines += _table(header, rows)
+    ablation = [
+        (name, e) for name, e in models.items() if _available(e) and e["config"].get("overrides")
+    ]
+    if ablation:
+        lines += ["", "## Ablation (models run with configuration overrides; TEST NDCG@10)", ""]
+        rows = [
+            [
+                name.partition("[")[0],
+                "; ".join(e["config"]["overrides"]),
+                *[e[g]["ndcg@10"] for g in ("overall", *STRATA)],
+            ]
+            for name, e in ablation
+        ]
+        header = ["model", "overrides", "overall", *[STRATUM_TITLES[s] for s in STRATA]]
+        lines += _table(header, rows)
     if by_position:
         labels = position_bucket_labels()
         lines += ["", "## By the target's event position (TEST)", ""]

@@ -110,9 +110,11 @@ def test_model_spec_overrides(tmp_path: Path) -> None:
     try:
         cfg = load_config(None, [*(s for s in SET if s != "--set"), f"data.cache_dir={tmp_path}"])
         models = runner.parse_models("probe[memory.n_blocks=2],probe[memory.n_blocks=8]")
-        summary = runner.run_eval(cfg, "synthetic", models, tmp_path / "o", write_report=False)
+        summary = runner.run_eval(cfg, "synthetic", models, tmp_path / "o")
     finally:
         runner._REGISTRY.pop("probe")
+    report = (tmp_path / "o" / "report.md").read_text()
+    assert "## Ablation" in report and "| probe | memory.n_blocks=8 |" in report
     assert seen == [2, 8]
     assert list(summary["models"]) == models
     assert summary["models"][models[0]]["config"]["overrides"] == ["memory.n_blocks=2"]
