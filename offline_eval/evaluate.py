@@ -117,10 +117,11 @@ def evaluate(
 
     Returns {"overall", "recent", "long_term", "new", "repeat"} (each {"hr@10", "ndcg@10",
     "mrr@10", "hr@50", "n"}), "n_targets", "excluded_cold_item", "excluded_first_event",
-    "exclude_seen", "eval_seconds", "loss" (mean target loss, with ``with_loss``), "planted"
-    (metrics of :func:`planted_groups`, generated data only), and, with ``return_per_target``, "per_target": numpy
-    arrays rows, users, positions, ranks and (``with_loss``) loss (-log softmax of the
-    target over the non-excluded items), plus the stratum masks.
+    "exclude_seen", "eval_seconds", "loss" (mean target loss, with ``with_loss``),
+    "planted" (metrics of :func:`planted_groups`, generated data only) and, with
+    ``return_per_target``, "per_target": numpy arrays rows, users, positions, ranks,
+    (``with_loss``) loss (-log softmax of the target over the non-excluded items) and the
+    stratum masks ``is_<stratum>``.
     """
     t0 = time.perf_counter()
     targets = split.targets(part, cfg.exclude_seen)
@@ -169,6 +170,7 @@ def evaluate(
         exclude_seen=targets.exclude_seen,
         eval_seconds=time.perf_counter() - t0,
     )
+    log.debug("%s %s: %d targets in %.1f s", split.dataset, part, targets.n, result["eval_seconds"])
     if with_loss:
         result["loss"] = float(losses.mean()) if targets.n else None
     if return_per_target:
