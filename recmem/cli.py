@@ -103,9 +103,7 @@ def _cmd_ingest(args: argparse.Namespace, cfg: Config) -> int:
 
 def _cmd_produce(args: argparse.Namespace, cfg: Config) -> int:
     from recmem.datasets import load_dataset
-    from streams.admin import ensure_topics
-    from streams.codec import make_event
-    from streams.producer import EventProducer
+    from recmem.producing import produce_dataset
 
     if not args.verbose:  # kafka-python logs every connection at INFO
         logging.getLogger("kafka").setLevel(logging.WARNING)
@@ -113,11 +111,7 @@ def _cmd_produce(args: argparse.Namespace, cfg: Config) -> int:
         cfg.kafka.bootstrap_servers = args.bootstrap
     topic = args.topic or cfg.kafka.topic
     data = load_dataset(args.dataset, cfg.data)
-    ensure_topics(cfg.kafka, {topic: cfg.kafka.partitions})
-    rows = data.events.select(["user_id", "item_id", "ts_ms", "action", "value"]).iter_rows()
-    events = (make_event(u, i, ts, a, v) for u, i, ts, a, v in rows)
-    with EventProducer(cfg.kafka, topic) as producer:
-        n = producer.send(events, rate=args.rate, limit=args.limit, total=data.n_events)
+    n = produce_dataset(cfg, data, topic, rate=args.rate, limit=args.limit)
     print(f"produced {n} events of {data.name} to {topic} on {cfg.kafka.bootstrap_servers}")
     return 0
 
