@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class ArchiveHook(Protocol):
-    """The seam for the NoteBank archive (recmem/archive): called once per engine step.
+    """The seam for the NoteBank archive (recmem/archive). ``observe`` is called once per
+    engine step; the notes travel in the partition's checkpoint (export/import) and leave
+    with it (drop).
 
     ``user_ids`` [B]; ``items``/``actions``/``ts_ms`` [B, T] and ``lengths`` [B] as given to
     ``advance`` (host numpy, vocab-encoded items, right-padded); ``kq`` = (k~, q~), each
@@ -50,6 +52,18 @@ class ArchiveHook(Protocol):
         kq: tuple[torch.Tensor, torch.Tensor],
         positions: np.ndarray,
     ) -> None: ...
+
+    def export_notes(self, user_ids: list[str]) -> dict[str, np.ndarray]:
+        """The notes of these users as arrays, for their partition's checkpoint."""
+        ...
+
+    def import_notes(self, user_ids: list[str], notes: dict[str, np.ndarray] | None) -> None:
+        """Install notes restored from a checkpoint (None: the checkpoint had none)."""
+        ...
+
+    def drop(self, user_ids: list[str]) -> None:
+        """Forget these users (their partition was revoked)."""
+        ...
 
 
 @dataclass

@@ -1,0 +1,263 @@
+"""The ingest service against a real tansu broker: clean stop and restore, a rebalance
+across two services, and the crash test (kill -9 at random points, restart, finish: every
+state equals a clean single pass; nothing lost, nothing applied twice)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from kafka import KafkaProducer
+
+from models.recommender import MemoryRecommender
+from recmem.checkpoint import CheckpointStore
+from recmem.config import Config
+from recmem.engine import Engine
+from recmem.ingest import IngestService, build_service
+from recmem.modelstore import load_model, save_model
+from recmem.state_store import StateLayout, UserStateStore
+from recmem.vocab import ItemVocab
+from streams.admin import client_settings
+from streams.codec import make_event
+from streams.consumer import EventConsumer
+from streams.validate import ValidEvent
+from tests.recmem.test_engine import small_config
+
+REPO = Path(__file__).resolve().parents[2]
+BASE_TS = 1_700_000_000_000
+
+
+def service_config(tmp_path: Path, kafka) -> Config:
+    cfg = small_config()
+    cfg.kafka = kafka
+    cfg.state.device_capacity = 48  # ~200 users: the host and disk tiers are used too
+    cfg.state.host_capacity = 48
+    cfg.state.spill_dir = str(tmp_path / "spill")
+    cfg.checkpoint.dir = str(tmp_path / "ckpt")
+    cfg.checkpoint.interval_s = 0.3
+    cfg.server.model_dir = str(tmp_path / "model")
+    torch.manual_seed(0)
+    vocab = ItemVocab([f"i{j}" for j in range(30)], cfg.model.n_oov_buckets)
+    model = MemoryRecommender(vocab.n_items, vocab.n_oov, cfg.memory, cfg.model)
+    save_model(cfg.server.model_dir, model, vocab, cfg)
+    return cfg
+
+
+def make_events(n: int, n_users: int, seed: int):
+    rng = np.random.default_rng(seed)
+    users = rng.integers(n_users, size=n)
+    return [
+        make_event(
+            f"user{u}", f"i{int(rng.integers(40))}", BASE_TS + k * 1000, int(rng.integers(6)), 1.0
+        )
+        for k, u in enumerate(users)
+    ]
+
+
+def send_with_bad(
+    cfg: Config, events, seed: int, n_bad: int, rate: float = 0.0, ends: dict | None = None
+) -> dict[int, int]:
+    """Send ``events`` in order with ``n_bad`` malformed records mixed in, at most ``rate``
+    events per second (0: as fast as possible). Returns (and adds to ``ends``) the offset
+    after the last record of each partition, from the broker's acknowledgements (tansu's
+    ListOffsets answers one past the last record batch's first offset, not the highwater)."""
+    rng = random.Random(seed)
+    bad_at = set(rng.sample(range(len(events)), n_bad))
+    ends = {} if ends is None else ends
+    producer = KafkaProducer(acks="all", linger_ms=5, **client_settings(cfg.kafka))
+    topic = cfg.kafka.topic
+    futures = []
+
+    def settle() -> None:
+        for f in futures:
+            md = f.get(timeout=30)
+            ends[md.partition] = max(ends.get(md.partition, 0), md.offset + 1)
+        futures.clear()
+
+    start = time.monotonic()
+    for k, ev in enumerate(events):
+        if rate and k / rate > time.monotonic() - start:
+            time.sleep(max(0.0, k / rate - (time.monotonic() - start)))
+        key, value = ev.user_id.encode(), ev.SerializeToString()
+        if k in bad_at:
+            if k % 3 == 0:
+                futures.append(producer.send(topic, key=key, value=b"\xff\x00garbage"))
+            elif k % 3 == 1:  # missing item
+                bad = make_event(ev.user_id, "x", ev.ts_ms)
+                bad.item_id = ""
+                futures.append(producer.send(topic, key=key, value=bad.SerializeToString()))
+            else:  # keyed to another user: would be applied by the wrong owner
+                futures.append(producer.send(topic, key=b"someone-else", value=value))
+        futures.append(producer.send(topic, key=key, value=value))
+        if len(futures) >= 200:
+            settle()
+    producer.flush()
+    settle()
+    producer.close()
+    return ends
+
+
+def checkpoints_of(cfg: Config) -> CheckpointStore:
+    layout = StateLayout.from_config(cfg.memory, cfg.model)
+    return CheckpointStore(Path(cfg.checkpoint.dir) / cfg.kafka.topic, layout)
+
+
+def wait_until(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def caught_up(cfg: Config, ends: dict[int, int]) -> bool:
+    """Every partition's newest checkpoint is at its end offset (0 where nothing was sent)."""
+    store = checkpoints_of(cfg)
+    return all(store.latest_offset(p) == ends.get(p, 0) for p in range(cfg.kafka.partitions))
+
+
+def clean_pass(cfg: Config, events, tmp_path: Path) -> Engine:
+    """Every valid event, in order, through one in-process engine (the reference)."""
+    model, vocab, _, _ = load_model(cfg.server.model_dir)
+    layout = StateLayout.from_config(cfg.memory, cfg.model)
+    store = UserStateStore(layout, 4096, 0, tmp_path / "ref-spill", device="cpu")
+    engine = Engine(model, vocab, store, cfg)
+    valid = [
+        ValidEvent(e.user_id, e.item_id, e.ts_ms, e.action - 1, e.value, None, 0, k)
+        for k, e in enumerate(events)
+    ]
+    for start in range(0, len(valid), 500):
+        engine.apply(valid[start : start + 500])
+    return engine
+
+
+def assert_checkpoints_equal_clean_pass(cfg: Config, events, tmp_path: Path) -> None:
+    ref = clean_pass(cfg, events, tmp_path)
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e.user_id] = counts.get(e.user_id, 0) + 1
+    store = checkpoints_of(cfg)
+    seen: set[str] = set()
+    for p in range(cfg.kafka.partitions):
+        ckpt = store.restore(p)
+        assert ckpt is not None, f"partition {p} has no checkpoint"
+        assert not seen & set(ckpt.user_ids)
+        seen |= set(ckpt.user_ids)
+        want = ref.snapshot(ckpt.user_ids)
+        got = ckpt.state
+        assert got.pos.tolist() == [counts[u] for u in ckpt.user_ids]
+        assert torch.equal(got.last_ts, want.last_ts)
+        torch.testing.assert_close(got.S, want.S, rtol=1e-4, atol=1e-5)
+        assert got.M is not None and want.M is not None
+        torch.testing.assert_close(got.M, want.M, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.h, want.h, rtol=1e-4, atol=1e-5)
+    assert seen == set(counts)
+
+
+def start_service(cfg: Config) -> tuple[IngestService, EventConsumer, threading.Thread]:
+    service = build_service(cfg, device="cpu")
+    consumer = EventConsumer(cfg.kafka, service)
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    thread.start()
+    return service, consumer, thread
+
+
+def stop_service(service: IngestService, consumer: EventConsumer, thread: threading.Thread):
+    consumer.stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    service.engine.store.close()
+
+
+def test_clean_stop_restores_and_continues(tmp_path, kafka_config):
+    cfg = service_config(tmp_path, kafka_config(partitions=3))
+    events = make_events(900, 40, seed=1)
+    ends = send_with_bad(cfg, events[:600], seed=1, n_bad=10)
+
+    service, consumer, thread = start_service(cfg)
+    wait_until(lambda: caught_up(cfg, ends), 60, "checkpoints at the end offsets")
+    assert service.totals.events == 600
+    stop_service(service, consumer, thread)
+    first = {p: checkpoints_of(cfg).restore(p) for p in range(3)}
+
+    # a new service restores exactly that state and applies only what is new
+    send_with_bad(cfg, events[600:], seed=2, n_bad=5, ends=ends)
+    service, consumer, thread = start_service(cfg)
+    wait_until(lambda: caught_up(cfg, ends), 60, "checkpoints at the end offsets")
+    stop_service(service, consumer, thread)
+    assert service.totals.events == 300
+    for p, ckpt in first.items():
+        assert ckpt is not None and ckpt.next_offset < checkpoints_of(cfg).latest_offset(p)
+    assert_checkpoints_equal_clean_pass(cfg, events, tmp_path)
+
+
+def test_rebalance_across_two_services(tmp_path, kafka_config):
+    cfg = service_config(tmp_path, kafka_config(partitions=4))
+    events = make_events(1200, 60, seed=3)
+    ends = send_with_bad(cfg, events[:500], seed=3, n_bad=6)
+    a = start_service(cfg)
+    wait_until(lambda: a[0].totals.events >= 500, 60, "service A to apply 500 events")
+    b = start_service(cfg)  # joins the group: A's revoked partitions move to B via checkpoints
+    wait_until(lambda: a[0].assigned and b[0].assigned, 60, "both services to own partitions")
+    assert not a[0].assigned & b[0].assigned
+    send_with_bad(cfg, events[500:], seed=4, n_bad=6, ends=ends)
+    wait_until(lambda: caught_up(cfg, ends), 60, "checkpoints at the end offsets")
+    stop_service(*a)
+    stop_service(*b)
+    assert_checkpoints_equal_clean_pass(cfg, events, tmp_path)
+
+
+@pytest.mark.slow
+def test_crash_kill9_restart_equals_clean_pass(tmp_path, kafka_config):
+    cfg = service_config(tmp_path, kafka_config(partitions=4))
+    cfg_path = tmp_path / "ingest.toml"
+    cfg_path.write_text(cfg.to_toml())
+    events = make_events(4000, 200, seed=5)
+    ends: dict[int, int] = {}
+    producer = threading.Thread(
+        target=send_with_bad, args=(cfg, events, 5, 60, 160.0, ends), daemon=True
+    )
+    producer.start()
+    rng = random.Random(5)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    log_path = tmp_path / "ingest.log"
+    cmd = [sys.executable, "-m", "recmem.cli", "ingest", "--config", str(cfg_path)]
+    store = checkpoints_of(cfg)
+
+    def progress() -> int:
+        return sum(store.latest_offset(p) or 0 for p in range(cfg.kafka.partitions))
+
+    kills = 0
+    with open(log_path, "ab") as log:
+        for _ in range(3):
+            before = progress()
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
+            try:
+                # kill only once this process has made progress, at a random moment after
+                wait_until(lambda b=before: progress() > b, 60, "checkpoint progress")
+                time.sleep(rng.uniform(0.0, 0.8))
+            finally:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=10)
+            kills += 1
+        producer.join(timeout=60)
+        assert not producer.is_alive()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
+        try:
+            wait_until(lambda: caught_up(cfg, ends), 90, "checkpoints at the end offsets")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(timeout=30)
+    assert kills == 3
+    assert rc == 0, log_path.read_text()[-3000:]
+    assert_checkpoints_equal_clean_pass(cfg, events, tmp_path)
