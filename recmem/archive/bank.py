@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 def _numpy(x: Any, dtype: Any) -> np.ndarray:
     """numpy view of a numpy array, torch tensor (any device) or sequence."""
     if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if x.is_floating_point():
+            x = x.float()  # numpy has no bfloat16
+        x = x.numpy()
     return np.asarray(x, dtype=dtype)
 
 

@@ -258,3 +258,45 @@ def test_observe_batch_skips_a_rejected_user_and_keeps_the_others(caplog):
     assert written == 2 and bank.note_count("b") == 2
     assert bank.pending_count("a") == 10 and bank.note_count("a") == 0
     assert "skipped 20 events of user 'a'" in caplog.text
+
+
+def test_half_precision_tensors_are_accepted():
+    s = make_stream(16, seed=17, planted=(3,))
+    ref, half = NoteBank(small_cfg(), K, CH, seed=0), NoteBank(small_cfg(), K, CH, seed=0)
+    ref.observe("a", *s.part(0, 16))
+    args = list(s.part(0, 16))
+    args[5] = torch.from_numpy(s.k).to(torch.bfloat16)
+    args[6] = torch.from_numpy(s.q).to(torch.float16)
+    assert half.observe("a", *args) == 2
+    assert [n.positions.tolist() for n in half.notes("a")] == [
+        n.positions.tolist() for n in ref.notes("a")
+    ]
+    q = torch.from_numpy(s.q[:2]).to(torch.bfloat16)
+    assert half.route("a", q, r=1)
+
+
+def test_concurrent_observe_and_route():
+    import threading
+
+    bank = NoteBank(small_cfg(notes_per_user=4), K, CH, seed=0)
+    s = make_stream(400, seed=18, planted=(5, 50, 100))
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                for n in bank.route("a", s.q[:3], r=2):
+                    assert 1 <= len(n) <= 3 and n.votes >= 1
+        except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for a in range(0, 400, 7):
+        bank.observe("a", *s.part(a, min(a + 7, 400)))
+    stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    assert not errors and bank.note_count("a") == 4
