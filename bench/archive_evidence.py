@@ -55,6 +55,7 @@ def main() -> None:
         default='{"chunk_events": [16, 32], "max_span": [4, 8], "replay_notes": [2, 4]}',
         help="JSON object: archive field -> list of values",
     )
+    ap.add_argument("--query-events", type=int, default=1, help="query positions per route")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     args = ap.parse_args()
     model, _, cfg, extra = load_model(args.model_dir)
@@ -67,7 +68,9 @@ def main() -> None:
     masks = assign_strata(split.seqs, split.event_cat, rows, with_repeat=split.has_repeats)
     grid = archive_grid(cfg.archive, **json.loads(args.grid))
     t0 = time.perf_counter()
-    reports = evidence_recall_grid(model, split.seqs, rows, grid, event_keys=split.event_cat)
+    reports = evidence_recall_grid(
+        model, split.seqs, rows, grid, event_keys=split.event_cat, query_events=args.query_events
+    )
     seconds = time.perf_counter() - t0
     results = []
     for c, rep in zip(grid, reports):
@@ -87,6 +90,7 @@ def main() -> None:
         "machine": {"host": socket.gethostname(), "platform": platform.platform()},
         "dataset": split.dataset,
         "part": args.part,
+        "query_events": args.query_events,
         "model_version": extra.get("model_version"),
         "targets": int(len(rows)),
         "seconds": seconds,

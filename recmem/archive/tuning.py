@@ -107,12 +107,13 @@ def evidence_recall_grid(
     cfgs: Sequence[ArchiveConfig],
     *,
     event_keys: np.ndarray | None = None,
+    query_events: int = 1,
     seed: int = 0,
     max_slots: int = 16_384,
 ) -> list[EvidenceRecall]:
     """For each archive configuration: archive every user's events before each target
-    (rows of ``seqs``) and route with the query of the event just before it, R =
-    ``replay_notes``. The model runs once for all configurations. ``event_keys[row]`` is
+    (rows of ``seqs``) and route with the queries of the ``query_events`` events just
+    before it (as the rank path does with server.replay_query_events), R = ``replay_notes``. The model runs once for all configurations. ``event_keys[row]`` is
     the key of each event of ``seqs`` (default: its item; e.g. ``TimeSplit.event_cat``).
     Targets at a user's first event are dropped."""
     rows = np.asarray(target_rows, dtype=np.int64)
@@ -161,7 +162,7 @@ def evidence_recall_grid(
                         fed = t
                         notes = bank.notes(uid)
                         n_notes[g, j] = len(notes)
-                        routed = bank.route(uid, q[b, t - 1], r=r)
+                        routed = bank.route(uid, q[b, max(0, t - query_events) : t], r=r)
                         picks = [routed, notes[-r:] if r else [], _sample(notes, r, rng), notes]
                         for f, chosen in enumerate(picks):
                             flags[g, f, j] = any(
