@@ -198,7 +198,11 @@ class StateConfig:
     host_capacity: int = 262_144
     """User states kept in host memory after eviction from the slab."""
     spill_dir: str = "runs/state-spill"
-    """Where users evicted from host memory are written."""
+    """Where users evicted from host memory are written (a cache: each process uses a private
+    subdirectory, removed on exit; checkpoints are the durable copy)."""
+    length_buckets: bool = True
+    """Engine step: run a micro-batch's users in power-of-two length buckets (one memory update
+    per bucket) so that padding stays under 2x the events; false: one update for the batch."""
 
 
 @dataclass

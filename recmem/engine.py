@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -146,6 +147,11 @@ class Engine:
         self.config_hash = config_hash(cfg)
         self.partition_of: dict[str, int] = {}
         self._users_of: dict[int, set[str]] = {}
+        self.seconds: dict[str, float] = dict.fromkeys(
+            ("group", "gather", "advance", "scatter", "archive", "user_steps"), 0.0
+        )
+        """Running totals for profiling: seconds per phase of ``apply``, and user_steps (the
+        padded [B, T] cells run, a count)."""
 
     @property
     def device(self) -> torch.device:
@@ -157,50 +163,61 @@ class Engine:
         """Apply one micro-batch; every user's position advances by its number of events."""
         if not events:
             return ApplyCounts()
+        t0 = time.perf_counter()
         batch = group_events(events, self.vocab)
+        self.seconds["group"] += time.perf_counter() - t0
         counts = ApplyCounts(
             events=len(events), users=len(batch.user_ids), max_len=int(batch.lengths.max())
         )
         counts.new_users = sum(1 for u in batch.user_ids if u not in self.store)
-        cap = self.store.capacity
-        # a micro-batch with more users than slab slots runs in slab-sized chunks
-        for start in range(0, len(batch.user_ids), cap):
-            self._advance(batch, slice(start, start + cap))
+        for rows in self._steps(batch.lengths):
+            self._advance(batch, rows)
         for user, part in zip(batch.user_ids, batch.partitions):
             self._record(user, part)
         return counts
 
+    def _steps(self, lengths: np.ndarray) -> list[np.ndarray]:
+        """Row sets of the batch, one ``advance`` each: all rows at once, or (with
+        ``state.length_buckets``) users grouped by power-of-two length so that padding stays
+        below 2x the events; any set larger than the slab is cut into slab-sized pieces."""
+        if self.cfg.state.length_buckets:
+            bucket = np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+            groups = [np.nonzero(bucket == b)[0] for b in np.unique(bucket)[::-1]]
+        else:
+            groups = [np.arange(len(lengths))]
+        cap = self.store.capacity
+        return [g[i : i + cap] for g in groups for i in range(0, len(g), cap)]
+
     @torch.no_grad()
-    def _advance(self, batch: GroupedBatch, rows: slice) -> None:
-        users = batch.user_ids[rows]
+    def _advance(self, batch: GroupedBatch, rows: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        users = [batch.user_ids[i] for i in rows]
         lengths = batch.lengths[rows]
         T = int(lengths.max())
         dev = self.device
-
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a[rows, :T])).to(dev)
-
+        items, actions, ts = (a[rows, :T] for a in (batch.items, batch.actions, batch.ts_ms))
         state, slots = self.store.gather(users)
         positions = state.pos.cpu().numpy()
+        t1 = time.perf_counter()
         result = self.model.advance(
-            put(batch.items),
-            put(batch.actions),
-            put(batch.ts_ms),
+            torch.from_numpy(items).to(dev),
+            torch.from_numpy(actions).to(dev),
+            torch.from_numpy(ts).to(dev),
             torch.from_numpy(lengths).to(dev),
             state,
             return_kq=self.archive is not None,
         )
+        t2 = time.perf_counter()
         self.store.scatter(slots, result.state)
+        t3 = time.perf_counter()
         if self.archive is not None and result.kq is not None:
-            self.archive.observe(
-                users,
-                batch.items[rows, :T],
-                batch.actions[rows, :T],
-                batch.ts_ms[rows, :T],
-                lengths,
-                result.kq,
-                positions,
-            )
+            self.archive.observe(users, items, actions, ts, lengths, result.kq, positions)
+        t4 = time.perf_counter()
+        self.seconds["gather"] += t1 - t0
+        self.seconds["advance"] += t2 - t1
+        self.seconds["scatter"] += t3 - t2
+        self.seconds["archive"] += t4 - t3
+        self.seconds["user_steps"] += len(users) * T
 
     def _record(self, user: str, partition: int) -> None:
         old = self.partition_of.get(user)
