@@ -288,10 +288,11 @@ class NoteBank:
     def route_addresses(self, user_id: str, u: Any, r: int | None = None) -> list[Note]:
         """Each channel votes for the user's note whose address is the most cosine-similar
         to any of its query addresses u [n, C_ch, d_rho] (max over the n query positions);
-        channels whose queries are all zero abstain. The ``r`` notes (default
-        archive.replay_notes) with the most votes, more recent first on equal votes, are
-        returned in chronological order with ``votes`` set; notes without votes never are.
-        A user without notes gets []."""
+        channels whose queries are all zero abstain. Notes are ranked by votes, then by
+        the sum over voting channels of their best cosine, then recency; the top ``r``
+        (default archive.replay_notes) are returned in chronological order with ``votes``
+        set. With few channels fewer than r notes may get votes: the ranking then fills
+        up with unvoted notes by the same summed cosine. A user without notes gets []."""
         r = self.cfg.replay_notes if r is None else r
         if r < 0:
             raise ValueError(f"r must be >= 0, got {r}")
@@ -306,19 +307,19 @@ class NoteBank:
         if not np.all(np.isfinite(u_a)):
             raise ValueError("query addresses have non-finite values")
         unit = l2_normalise(u_a)
-        live = np.linalg.norm(unit, axis=-1) > 0
+        live = np.linalg.norm(unit, axis=-1) > 0  # [n, C_ch]
         with self._lock:
             ua = self._users.get(user_id)
             if r == 0 or ua is None or not ua.notes or not live.any():
                 return []
-            rows, sims = self._indexes[user_id].best_notes(unit)
+            sims = self._indexes[user_id].similarities(unit)  # [n, C_ch, notes]
             notes = list(ua.notes)
-        sims = np.where(live & (rows >= 0), sims, -np.inf)
-        best_tau = np.argmax(sims, axis=0)
-        ch = np.arange(self.n_channels)
-        voters = np.isfinite(sims[best_tau, ch])
-        votes = np.bincount(rows[best_tau, ch][voters], minlength=len(notes))
-        ranked = sorted(np.flatnonzero(votes), key=lambda i: (-votes[i], -i))[:r]
+        sims = np.where(live[..., None], sims, -np.inf)
+        best = sims.max(axis=0)  # [C_ch, notes]: max over query positions
+        voters = np.isfinite(best[:, 0])
+        votes = np.bincount(best[voters].argmax(axis=1), minlength=len(notes))
+        strength = best[voters].sum(axis=0)
+        ranked = sorted(range(len(notes)), key=lambda i: (-votes[i], -strength[i], -i))[:r]
         return [replace(notes[i], votes=int(votes[i])) for i in sorted(ranked)]
 
     # ---- inspection -------------------------------------------------------------------

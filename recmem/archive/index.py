@@ -76,17 +76,19 @@ class UserAddressIndex:
         self._index.reset()
         self.add(addresses)
 
-    def best_notes(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For unit queries u [n, C_ch, d_rho]: the row of the best note and its cosine for
-        every (query position, channel), both [n, C_ch] (row -1 when the index is empty)."""
-        n = u.shape[0]
-        if self.size == 0 or n == 0:
-            return np.full((n, self.n_channels), -1, np.int64), np.zeros((n, self.n_channels))
+    def similarities(self, u: np.ndarray) -> np.ndarray:
+        """cos(u[tau, c], rho_c of note i) for unit queries u [n, C_ch, d_rho]:
+        [n, C_ch, notes] (exact: the search returns every note of the user)."""
+        n, total = u.shape[0], self.size
+        out = np.zeros((n * self.n_channels, total), dtype=np.float32)
+        if total == 0 or n == 0:
+            return out.reshape(n, self.n_channels, total)
         rows, _ = block_queries(u)
         if self._gpu is None:
             # A search here is a few hundred vectors: OpenMP threads only add wake-up and
             # barrier latency (p99 of tens of ms on a busy 2-core host). The setting is
             # per calling thread and lives in faiss's own libgomp (torch's is separate).
             faiss.omp_set_num_threads(1)
-        sims, ids = self._index.search(rows, 1)
-        return ids.reshape(n, self.n_channels), sims.reshape(n, self.n_channels)
+        sims, ids = self._index.search(rows, total)
+        np.put_along_axis(out, ids, sims, axis=1)
+        return out.reshape(n, self.n_channels, total)

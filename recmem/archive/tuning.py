@@ -56,6 +56,8 @@ class EvidenceRecall:
     archived: np.ndarray
     notes: np.ndarray
     """Notes the user had when the target came ([n] int)."""
+    returned: np.ndarray
+    """Notes the route returned ([n] int; fewer than R when fewer notes got votes)."""
 
     def summary(self, mask: np.ndarray | None = None) -> dict[str, float]:
         """Hit rates over all targets, or over those where ``mask`` is true."""
@@ -72,6 +74,7 @@ class EvidenceRecall:
             "random": rate(self.random),
             "archived": rate(self.archived),
             "mean_notes": float(self.notes[m].mean()) if n else 0.0,
+            "mean_routed": float(self.returned[m].mean()) if n else 0.0,
         }
 
 
@@ -130,6 +133,7 @@ def evidence_recall_grid(
     rng = np.random.default_rng(seed)
     flags = np.zeros((len(cfgs), 4, len(rows)), dtype=bool)
     n_notes = np.zeros((len(cfgs), len(rows)), dtype=np.int64)
+    n_routed = np.zeros((len(cfgs), len(rows)), dtype=np.int64)
     need = np.zeros(seqs.n_users, dtype=np.int64)
     np.maximum.at(need, user_of, idx)  # events 0 .. idx-1 come before the target
     device = next(model.parameters()).device
@@ -163,6 +167,7 @@ def evidence_recall_grid(
                         notes = bank.notes(uid)
                         n_notes[g, j] = len(notes)
                         routed = bank.route(uid, q[b, max(0, t - query_events) : t], r=r)
+                        n_routed[g, j] = len(routed)
                         picks = [routed, notes[-r:] if r else [], _sample(notes, r, rng), notes]
                         for f, chosen in enumerate(picks):
                             flags[g, f, j] = any(
@@ -172,7 +177,10 @@ def evidence_recall_grid(
                     bank.drop_users([uid])
     finally:
         model.train(was_training)
-    return [EvidenceRecall(rows, f[0], f[1], f[2], f[3], n) for f, n in zip(flags, n_notes)]
+    return [
+        EvidenceRecall(rows, f[0], f[1], f[2], f[3], n, m)
+        for f, n, m in zip(flags, n_notes, n_routed)
+    ]
 
 
 def _sample(notes: list[Any], r: int, rng: np.random.Generator) -> list[Any]:

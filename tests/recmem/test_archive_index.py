@@ -5,7 +5,7 @@ from recmem.archive.index import UserAddressIndex, block_queries, gpu_resources
 from recmem.archive.selection import l2_normalise
 
 
-def test_best_notes_match_brute_force_per_channel_cosine():
+def test_similarities_match_brute_force_per_channel_cosine():
     rng = np.random.default_rng(0)
     n_notes, ch, dim = 30, 5, 6
     rho = l2_normalise(rng.normal(size=(n_notes, ch, dim)))
@@ -14,10 +14,9 @@ def test_best_notes_match_brute_force_per_channel_cosine():
     index.add(rho[:10])
     index.add(rho[10:])
     assert index.size == n_notes
-    rows, sims = index.best_notes(u)
+    sims = index.similarities(u)
     cos = np.einsum("tcd,ncd->tcn", u, rho)  # [query, channel, note]
-    np.testing.assert_array_equal(rows, cos.argmax(axis=-1))
-    np.testing.assert_allclose(sims, cos.max(axis=-1), atol=1e-5)
+    np.testing.assert_allclose(sims, cos, atol=1e-5)
 
 
 def test_a_channel_never_matches_another_channels_address():
@@ -29,21 +28,20 @@ def test_a_channel_never_matches_another_channels_address():
     index.add(rho)
     u = np.zeros((1, ch, dim), np.float32)
     u[0, 0] = [1, 0, 0, 0]
-    rows, sims = index.best_notes(u)
-    assert rows[0, 0] == 1 and sims[0, 0] == pytest.approx(0.6)
+    sims = index.similarities(u)
+    np.testing.assert_allclose(sims[0, 0], [0.0, 0.6], atol=1e-6)
 
 
 def test_rebuild_and_empty_index():
     rng = np.random.default_rng(1)
     rho = l2_normalise(rng.normal(size=(4, 2, 3)))
     index = UserAddressIndex(2, 3)
-    rows, _ = index.best_notes(rho[:1])
-    assert rows.tolist() == [[-1, -1]]
+    assert index.similarities(rho[:1]).shape == (1, 2, 0)
     index.add(rho)
     index.rebuild(rho[2:])
     assert index.size == 2
-    rows, _ = index.best_notes(rho[3:4])
-    assert rows.tolist() == [[1, 1]]
+    sims = index.similarities(rho[3:4])
+    assert sims.shape == (1, 2, 2) and sims[0].argmax(axis=1).tolist() == [1, 1]
 
 
 def test_block_queries_layout():
