@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recmem.archive.index import UserAddressIndex, gpu_resources
+from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources
 from recmem.archive.persist import pack_users, unpack_users
 from recmem.archive.selection import (
     address_coords,
@@ -80,6 +80,12 @@ class NoteBank:
         self.n_channels = n_channels
         self.coords = address_coords(key_dim, cfg.address_dim, seed)
         self._gpu = gpu_resources(use_gpu)
+        if self._gpu is not None and cfg.notes_per_user * n_channels > GPU_MAX_K:
+            log.warning(
+                "NoteBank: %d notes x %d channels exceed a GPU search (k <= %d); CPU indexes",
+                cfg.notes_per_user, n_channels, GPU_MAX_K,
+            )  # fmt: skip
+            self._gpu = None
         self._users: dict[str, UserArchive] = {}
         self._indexes: dict[str, UserAddressIndex] = {}
         self._lock = threading.RLock()
@@ -319,8 +325,9 @@ class NoteBank:
         voters = np.isfinite(best[:, 0])
         votes = np.bincount(best[voters].argmax(axis=1), minlength=len(notes))
         strength = best[voters].sum(axis=0)
-        ranked = sorted(range(len(notes)), key=lambda i: (-votes[i], -strength[i], -i))[:r]
-        return [replace(notes[i], votes=int(votes[i])) for i in sorted(ranked)]
+        recency = np.arange(len(notes))
+        ranked = np.lexsort((-recency, -strength, -votes))[:r]  # last key sorts first
+        return [replace(notes[i], votes=int(votes[i])) for i in np.sort(ranked)]
 
     # ---- inspection -------------------------------------------------------------------
 

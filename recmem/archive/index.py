@@ -1,15 +1,16 @@
 """FAISS address index of one user's notes.
 
-Layout: one small exact inner-product index per user, one vector per note: the note's
-per-channel unit addresses laid side by side, [rho_0 | rho_1 | ... | rho_{C_ch-1}]
-(dimension C_ch * d_rho). A query for channel c is placed in block c and is zero
-elsewhere, so its inner product with a note vector is exactly cos(u_c, rho_c): a channel
-only ever matches the same channel's addresses, and a search touches this user's notes
-only (no other user's vectors are scanned). Row i of the index is the user's i-th note in
-chronological order; eviction rebuilds the index from the kept addresses (<= the cap).
+Layout: one small exact inner-product index per user (dimension d_rho) holding one row per
+(note, channel): row i * C_ch + c is the unit address rho_c of the user's i-th note in
+chronological order. A search touches this user's rows only, never another user's.
 
-A GPU index (GpuIndexFlatIP) is used when the installed faiss was built with GPU support
-and sees a device; otherwise IndexFlatIP on the CPU.
+Route needs, for every query position tau and channel c, the cosine with channel c's
+address of EVERY note (votes take the per-channel max over positions, the tie-break sums
+them). On the CPU ``compute_distance_subset`` scores query (tau, c) against exactly the
+rows c, C_ch + c, 2 C_ch + c, ...: no other channel's rows, no top-k heap. On a GPU
+(``GpuIndexFlatIP``, when the installed faiss has GPU support and sees a device) the
+index is searched for all of its rows (k = rows, at most 2048 there) and the channel's
+columns are picked out. Eviction rebuilds the index from the kept notes (<= the cap).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import faiss
 import numpy as np
 
 log = logging.getLogger(__name__)
+
+GPU_MAX_K = 2048
+"""The largest k a faiss GPU search accepts."""
 
 
 def gpu_resources(use_gpu: bool | None) -> Any | None:
@@ -37,39 +41,29 @@ def gpu_resources(use_gpu: bool | None) -> Any | None:
     return faiss.StandardGpuResources()
 
 
-def block_queries(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """u [n, C_ch, d_rho] unit queries -> block-embedded rows [n * C_ch, C_ch * d_rho]
-    (row tau * C_ch + c carries u[tau, c] in block c) and the channel of each row."""
-    n, n_ch, dim = u.shape
-    rows = np.zeros((n, n_ch, n_ch, dim), dtype=np.float32)
-    ch = np.arange(n_ch)
-    rows[:, ch, ch, :] = u
-    return rows.reshape(n * n_ch, n_ch * dim), np.tile(ch, n)
-
-
 class UserAddressIndex:
     """The address index of one user's notes (see the module docstring for the layout)."""
 
     def __init__(self, n_channels: int, address_dim: int, gpu: Any | None = None) -> None:
         self.n_channels = n_channels
         self.address_dim = address_dim
-        self.dim = n_channels * address_dim
         self._gpu = gpu
-        self._index = self._new()
-
-    def _new(self) -> Any:
-        if self._gpu is not None:
-            return faiss.GpuIndexFlatIP(self._gpu, self.dim)
-        return faiss.IndexFlatIP(self.dim)
+        self._index: Any = (
+            faiss.GpuIndexFlatIP(gpu, address_dim)
+            if gpu is not None
+            else faiss.IndexFlatIP(address_dim)
+        )
 
     @property
     def size(self) -> int:
-        return int(self._index.ntotal)
+        """Notes in the index."""
+        return int(self._index.ntotal) // self.n_channels
 
     def add(self, addresses: np.ndarray) -> None:
         """Append notes (chronologically after the present ones), addresses [n, C_ch, d_rho]."""
         if len(addresses):
-            self._index.add(np.ascontiguousarray(addresses.reshape(len(addresses), self.dim)))
+            rows = addresses.reshape(-1, self.address_dim).astype(np.float32)
+            self._index.add(np.ascontiguousarray(rows))
 
     def rebuild(self, addresses: np.ndarray) -> None:
         """Replace the contents with ``addresses`` [n, C_ch, d_rho] (after eviction or load)."""
@@ -78,17 +72,35 @@ class UserAddressIndex:
 
     def similarities(self, u: np.ndarray) -> np.ndarray:
         """cos(u[tau, c], rho_c of note i) for unit queries u [n, C_ch, d_rho]:
-        [n, C_ch, notes] (exact: the search returns every note of the user)."""
-        n, total = u.shape[0], self.size
-        out = np.zeros((n * self.n_channels, total), dtype=np.float32)
-        if total == 0 or n == 0:
-            return out.reshape(n, self.n_channels, total)
-        rows, _ = block_queries(u)
-        if self._gpu is None:
-            # A search here is a few hundred vectors: OpenMP threads only add wake-up and
-            # barrier latency (p99 of tens of ms on a busy 2-core host). The setting is
-            # per calling thread and lives in faiss's own libgomp (torch's is separate).
-            faiss.omp_set_num_threads(1)
-        sims, ids = self._index.search(rows, total)
-        np.put_along_axis(out, ids, sims, axis=1)
-        return out.reshape(n, self.n_channels, total)
+        [n, C_ch, notes], exact."""
+        n, ch, notes = u.shape[0], self.n_channels, self.size
+        if notes == 0 or n == 0:
+            return np.zeros((n, ch, notes), dtype=np.float32)
+        queries = np.ascontiguousarray(u.reshape(n * ch, self.address_dim), dtype=np.float32)
+        if self._gpu is not None:
+            return self._similarities_gpu(queries, n)
+        # Query row tau * C_ch + c is scored against rows i * C_ch + c of every note i.
+        labels = np.ascontiguousarray(
+            np.tile(np.arange(notes, dtype=np.int64)[None, :] * ch, (n * ch, 1))
+            + np.tile(np.arange(ch, dtype=np.int64), n)[:, None]
+        )
+        out = np.empty((n * ch, notes), dtype=np.float32)
+        # A few hundred rows: OpenMP threads only add wake-up and barrier latency (p99 of
+        # tens of ms on a busy 2-core host). The setting is per calling thread and lives
+        # in faiss's own libgomp (torch's is separate).
+        faiss.omp_set_num_threads(1)
+        self._index.compute_distance_subset(
+            n * ch, faiss.swig_ptr(queries), notes, faiss.swig_ptr(out), faiss.swig_ptr(labels)
+        )
+        return out.reshape(n, ch, notes)
+
+    def _similarities_gpu(self, queries: np.ndarray, n: int) -> np.ndarray:
+        ch, total = self.n_channels, int(self._index.ntotal)
+        if total > GPU_MAX_K:
+            raise ValueError(f"a GPU address index holds at most {GPU_MAX_K} rows, has {total}")
+        sims, ids = self._index.search(queries, total)
+        full = np.zeros((n * ch, total), dtype=np.float32)
+        np.put_along_axis(full, ids, sims, axis=1)
+        channel = np.tile(np.arange(ch), n)
+        cols = np.arange(0, total, ch)[None, :] + channel[:, None]
+        return np.take_along_axis(full, cols, axis=1).reshape(n, ch, total // ch)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from recmem.archive.index import UserAddressIndex, block_queries, gpu_resources
+from recmem.archive.index import UserAddressIndex, gpu_resources
 from recmem.archive.selection import l2_normalise
 
 
@@ -42,13 +42,6 @@ def test_rebuild_and_empty_index():
     assert index.size == 2
     sims = index.similarities(rho[3:4])
     assert sims.shape == (1, 2, 2) and sims[0].argmax(axis=1).tolist() == [1, 1]
-
-
-def test_block_queries_layout():
-    u = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3) + 1
-    rows, channel = block_queries(u)
-    assert rows.shape == (4, 6) and channel.tolist() == [0, 1, 0, 1]
-    np.testing.assert_array_equal(rows[3], [0, 0, 0, *u[1, 1]])
 
 
 def test_cpu_faiss_has_no_gpu_and_demanding_one_fails_clearly():
