@@ -52,3 +52,16 @@ def test_cpu_faiss_has_no_gpu_and_demanding_one_fails_clearly():
     assert gpu_resources(None) is None
     with pytest.raises(ValueError, match="GPU"):
         gpu_resources(True)
+
+
+def test_gpu_search_path_logic_matches_on_a_cpu_index():
+    # The GPU path (search all rows, pick the channel's columns) run on a CPU flat index.
+    rng = np.random.default_rng(2)
+    rho = l2_normalise(rng.normal(size=(9, 4, 5)))
+    u = l2_normalise(rng.normal(size=(3, 4, 5)))
+    index = UserAddressIndex(4, 5)
+    index.add(rho)
+    queries = np.ascontiguousarray(u.reshape(12, 5))
+    np.testing.assert_allclose(
+        index._similarities_gpu(queries, 3), index.similarities(u), atol=1e-5
+    )
