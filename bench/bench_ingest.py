@@ -1,0 +1,221 @@
+"""End-to-end ingest rate against the raw kafka-python client, in one run on one broker.
+
+    .venv/bin/python bench/bench_ingest.py [--dataset ml-100k] [--events 200000]
+        [--partitions 4] [--interval 10] [--device auto] [--tag cpu]
+
+1. the first M events of the dataset (time order) go into a fresh topic on the embedded
+   tansu broker;
+2. raw: a plain KafkaConsumer reads all M records and decodes each value (protobuf) only;
+3. end to end: the ingest service (EventConsumer -> IngestService -> Engine, default model
+   configuration with freshly initialised weights and the dataset's items as vocabulary,
+   checkpoints on every ``--interval`` seconds) consumes the same M records into applied
+   state; timed from its first batch to the last event applied, and to the final checkpoint.
+
+Writes bench/results/ingest_<tag>.json (or $OUT/...) with machine, date, commit, command,
+both rates and their ratio (goal >= 0.5), batch sizes, where the time went, and bytes per
+resident user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from kafka import KafkaConsumer, TopicPartition  # noqa: E402
+
+from models.recommender import MemoryRecommender  # noqa: E402
+from recmem.config import Config  # noqa: E402
+from recmem.datasets import load_dataset  # noqa: E402
+from recmem.ingest import build_service  # noqa: E402
+from recmem.modelstore import save_model  # noqa: E402
+from recmem.vocab import ItemVocab  # noqa: E402
+from streams.admin import ensure_topics  # noqa: E402
+from streams.broker import EmbeddedBroker  # noqa: E402
+from streams.codec import decode_event, make_event  # noqa: E402
+from streams.consumer import EventConsumer  # noqa: E402
+from streams.producer import EventProducer  # noqa: E402
+from streams.validate import ValidEvent  # noqa: E402
+
+log = logging.getLogger("bench_ingest")
+
+
+def git_commit() -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    return out.stdout.strip() or "unknown"
+
+
+def raw_rate(cfg: Config, n: int) -> dict[str, float]:
+    """Plain kafka-python: poll all ``n`` records of the topic and decode each value."""
+    k = cfg.kafka
+    consumer = KafkaConsumer(
+        bootstrap_servers=k.bootstrap_servers,
+        auto_offset_reset="earliest",
+        max_poll_records=k.max_poll_records,
+        fetch_max_wait_ms=max(1, min(k.max_wait_ms, 500)),
+    )
+    consumer.assign([TopicPartition(k.topic, p) for p in range(k.partitions)])
+    seen = decoded = 0
+    start = time.perf_counter()
+    while seen < n:
+        for records in consumer.poll(timeout_ms=500, max_records=k.max_poll_records).values():
+            for rec in records:
+                decoded += bool(decode_event(rec.value).user_id)
+            seen += len(records)
+    elapsed = time.perf_counter() - start
+    consumer.close()
+    return {"events": seen, "seconds": elapsed, "events_per_s": seen / elapsed}
+
+
+def end_to_end(cfg: Config, n: int) -> dict[str, object]:
+    service = build_service(cfg)
+    consumer = EventConsumer(cfg.kafka, service)
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    first_batch: list[float] = []
+    apply_batch = service.apply_batch
+
+    def timed_apply(events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
+        if not first_batch:
+            first_batch.append(time.perf_counter())
+        apply_batch(events, next_offsets)
+
+    service.apply_batch = timed_apply  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    thread.start()
+    while service.totals.events < n:
+        if not thread.is_alive():
+            raise RuntimeError("the consumer stopped early")
+        time.sleep(0.01)
+    applied = time.perf_counter()
+    first = first_batch[0]
+    resident = service.engine.store.tier_counts()
+    consumer.stop()
+    thread.join(timeout=600)
+    done = time.perf_counter()
+    engine, store, t = service.engine, service.engine.store, service.totals
+    ckpt_bytes = sum(f.stat().st_size for f in Path(cfg.checkpoint.dir).rglob("*") if f.is_file())
+    wall = applied - first
+    profile = {k: round(v, 3) for k, v in engine.seconds.items()}
+    profile["engine_apply_total"] = round(t.apply_seconds, 3)
+    profile["checkpoints_total"] = round(t.checkpoint_seconds, 3)
+    profile["consumer_fetch_decode_validate_and_rest"] = round(
+        max(0.0, wall - t.apply_seconds - t.checkpoint_seconds), 3
+    )
+    store.close()
+    return {
+        "events": t.events,
+        "seconds_to_applied": wall,
+        "events_per_s": t.events / wall,
+        "events_per_s_incl_final_checkpoint": t.events / (done - first),
+        "group_join_s": first - t0,
+        "batches": t.batches,
+        "mean_events_per_batch": t.events / max(1, t.batches),
+        "padded_user_steps_per_event": engine.seconds["user_steps"] / max(1, t.events),
+        "checkpoints_written": t.checkpoints,
+        "checkpoint_bytes_on_disk": ckpt_bytes,
+        "users_resident": resident,
+        "bytes_per_resident_user": store.bytes_per_user(),
+        "device": str(store.device),
+        "profile_seconds": profile,
+    }
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dataset", default="ml-100k")
+    ap.add_argument("--events", type=int, default=200_000, help="M (0: the whole dataset)")
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--interval", type=float, default=10.0, help="checkpoint.interval_s")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--set", action="append", default=[], help="extra section.field=value")
+    ap.add_argument("--tag", default="cpu", help="result file name: ingest_<tag>.json")
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    args = ap.parse_args()
+
+    from recmem.config import load_config
+
+    cfg = load_config(None, args.set, environ={})
+    work = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
+    data = load_dataset(args.dataset, cfg.data)
+    frame = data.events if not args.events else data.events.head(args.events)
+    n = frame.height
+    with EmbeddedBroker(log_path=work / "broker.log") as broker:
+        k = cfg.kafka
+        k.bootstrap_servers = broker.bootstrap
+        k.topic, k.dead_letter_topic, k.group_id = "bench", "bench.dlq", "bench"
+        k.partitions = args.partitions
+        k.session_timeout_ms, k.heartbeat_interval_ms = 3000, 500
+        k.max_past_ms = k.max_future_ms = 0
+        k.metrics_port = 0
+        ensure_topics(k, {k.topic: k.partitions, k.dead_letter_topic: 1})
+        rows = frame.select(["user_id", "item_id", "ts_ms", "action", "value"]).iter_rows()
+        t = time.perf_counter()
+        with EventProducer(k) as producer:
+            producer.send((make_event(u, i, ts, a, v) for u, i, ts, a, v in rows), progress=False)
+        produce_s = time.perf_counter() - t
+        raw = raw_rate(cfg, n)
+
+        cfg.checkpoint.dir = str(work / "ckpt")
+        cfg.checkpoint.interval_s = args.interval
+        cfg.state.spill_dir = str(work / "spill")
+        cfg.server.model_dir = str(work / "model")
+        torch.manual_seed(cfg.train.seed)
+        vocab = ItemVocab(
+            sorted(data.events["item_id"].unique().to_list()), cfg.model.n_oov_buckets
+        )
+        model = MemoryRecommender(vocab.n_items, vocab.n_oov, cfg.memory, cfg.model)
+        save_model(cfg.server.model_dir, model, vocab, cfg)
+        if args.device != "auto":
+            os.environ["CUDA_VISIBLE_DEVICES"] = "" if args.device == "cpu" else "0"
+        e2e = end_to_end(cfg, n)
+    shutil.rmtree(work, ignore_errors=True)
+
+    ratio = float(e2e["events_per_s"]) / raw["events_per_s"]  # type: ignore[arg-type]
+    result = {
+        "benchmark": "ingest",
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+        + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "command": " ".join([".venv/bin/python", "bench/bench_ingest.py", *sys.argv[1:]]),
+        "dataset": args.dataset,
+        "events": n,
+        "users": int(frame["user_id"].n_unique()),
+        "partitions": args.partitions,
+        "max_poll_records": cfg.kafka.max_poll_records,
+        "checkpoint_interval_s": args.interval,
+        "memory_config": cfg.to_dict()["memory"],
+        "embed_dim": cfg.model.embed_dim,
+        "length_buckets": cfg.state.length_buckets,
+        "produce_events_per_s": round(n / produce_s),
+        "raw_consume_decode": {k: round(v, 3) for k, v in raw.items()},
+        "end_to_end": e2e,
+        "end_to_end_vs_raw": round(ratio, 4),
+        "goal": ">= 0.5 of the raw rate",
+        "goal_met": ratio >= 0.5,
+    }
+    out = Path(args.out) / f"ingest_{args.tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
