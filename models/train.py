@@ -7,8 +7,11 @@ across segments detached, so Proteus positions stay exact while gradients stop a
 boundaries. The loss is the next-item cross-entropy over the TRAIN catalog (full softmax)
 or a sampled softmax with log-Q correction.
 
-``proteus_ffn_mask`` (paper section 2.4, the prefix mask on feed-forward weight updates
-keyed on the training step) is not implemented; ``fit`` logs a warning when it is set.
+``proteus_ffn_mask`` (paper section 2.4) applies the Proteus prefix schedule to the
+optimizer updates of the feed-forward weights, keyed on the optimizer step: each FFN tensor
+is flattened and split into E = memory.n_blocks blocks; at step i only the coordinates of the
+first k(i) blocks (horizon ``proteus_ffn_horizon`` steps) change, and locked coordinates keep
+their AdamW moments too (``ProteusUpdateMask``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 from tqdm import tqdm
 
 from models.embeddings import kjt_available
+from models.memory.proteus import open_rows
 from models.recommender import MemoryRecommender, padded_batch
 from models.sequences import EventSeqs
 from recmem.config import TrainConfig
@@ -72,8 +76,6 @@ def fit(
     """Epoch loop: train, validate every ``eval_every`` epochs, keep the best weights (by
     ``early_stop_metric``), stop after ``patience`` validations without improvement or
     after ``max_seconds``. The model ends holding the best weights."""
-    if tcfg.proteus_ffn_mask:
-        log.warning("train.proteus_ffn_mask is not implemented; training without it")
     result = TrainResult()
     best_state: dict[str, torch.Tensor] | None = None
     best_score = -math.inf
@@ -165,6 +167,62 @@ def next_item_loss(
     return F.cross_entropy(logits, torch.zeros_like(targets))
 
 
+class ProteusUpdateMask:
+    """Proteus prefix mask on optimizer updates (paper section 2.4): around each optimizer
+    step, the locked coordinates of ``params`` (flattened) and their optimizer state
+    (AdamW's exp_avg, exp_avg_sq) are put back to their values before the step."""
+
+    def __init__(
+        self, params: list[nn.Parameter], optim: torch.optim.Optimizer, n_blocks: int, horizon: int
+    ) -> None:
+        self.params, self.optim = params, optim
+        self.n_blocks, self.horizon = n_blocks, horizon
+        self.step = 0
+        self._saved: list[tuple[torch.Tensor, int, dict[str, torch.Tensor]]] = []
+
+    def open_coords(self, numel: int, step: int) -> int:
+        """Leading coordinates (of ``numel``) open at 1-based optimizer step ``step``."""
+        return (
+            open_rows(step, numel, self.n_blocks, self.horizon) if numel >= self.n_blocks else numel
+        )
+
+    def before_step(self) -> None:
+        self.step += 1
+        self._saved = []
+        for p in self.params:
+            n = self.open_coords(p.numel(), self.step)
+            if n >= p.numel():
+                continue
+            flat = p.detach().view(-1)
+            state = {
+                k: v.view(-1)[n:].clone()
+                for k, v in self.optim.state.get(p, {}).items()
+                if isinstance(v, torch.Tensor) and v.shape == p.shape
+            }
+            self._saved.append((p, n, {"param": flat[n:].clone(), **state}))
+
+    def after_step(self) -> None:
+        with torch.no_grad():
+            for p, n, saved in self._saved:
+                p.view(-1)[n:] = saved["param"]
+                st = self.optim.state.get(p, {})
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                        # State first created by this step starts at zero where locked.
+                        v.view(-1)[n:] = saved.get(k, 0)
+        self._saved = []
+
+
+def ffn_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The feed-forward (MLP) parameters of every memory layer."""
+    return [
+        p
+        for layer in getattr(model, "layers", [])
+        if getattr(layer, "ffn", None) is not None
+        for p in layer.ffn.parameters()
+    ]
+
+
 class MemoryEpoch:
     """One epoch of truncated-BPTT next-item training of a ``MemoryRecommender``."""
 
@@ -183,6 +241,12 @@ class MemoryEpoch:
         self.optim = torch.optim.AdamW(
             model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay
         )
+        self.update_mask: ProteusUpdateMask | None = None
+        if tcfg.proteus_ffn_mask:
+            mem = model.mem_cfg
+            self.update_mask = ProteusUpdateMask(
+                ffn_parameters(model), self.optim, mem.n_blocks, tcfg.proteus_ffn_horizon
+            )
         self.sampler: ItemSampler | None = None
         if tcfg.loss == "sampled":
             rows = np.concatenate(
@@ -236,7 +300,11 @@ class MemoryEpoch:
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if self.update_mask is not None:
+                self.update_mask.before_step()
             self.optim.step()
+            if self.update_mask is not None:
+                self.update_mask.after_step()
             loss_sum += float(loss.detach()) * n
             n_total += n
         return loss_sum, n_total

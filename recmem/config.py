@@ -71,14 +71,14 @@ class ModelConfig:
 class TrainConfig:
     """Training on the TRAIN part of the strict global time split."""
 
-    epochs: int = 30
-    """Maximum passes over the training users."""
-    batch_size: int = 64
-    """Users per optimisation step."""
+    epochs: int = 50
+    """Maximum passes over the training users (early stopping usually ends sooner)."""
+    batch_size: int = 32
+    """Users per optimisation step (SASRec: training windows of up to 200 events)."""
     segment_len: int = 200
     """Truncated back-propagation length: longer histories run in segments of this many
     events, the memory state carried (detached) between segments so positions stay exact."""
-    lr: float = 2e-3
+    lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
@@ -97,8 +97,10 @@ class TrainConfig:
     max_seconds: float = 0.0
     """Stop training after this many seconds (0 = no limit); the best checkpoint is kept."""
     proteus_ffn_mask: bool = False
-    """Paper section 2.4: apply the Proteus prefix mask to feed-forward weight updates,
-    keyed on the training step."""
+    """Paper section 2.4: apply the Proteus prefix mask (E = memory.n_blocks) to the
+    feed-forward weight updates of the memory model, keyed on the optimizer step."""
+    proteus_ffn_horizon: int = 2000
+    """Optimizer steps after which every feed-forward block is open (with proteus_ffn_mask)."""
 
 
 @dataclass

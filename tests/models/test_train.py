@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from models.recommender import MemoryRecommender
-from models.train import ItemSampler, fit, length_batches, next_item_loss, train_memory_model
+from models.train import (
+    ItemSampler,
+    ProteusUpdateMask,
+    fit,
+    length_batches,
+    next_item_loss,
+    train_memory_model,
+)
 from recmem.config import Config, TrainConfig
 from tests.models.synth import cyclic_seqs
 
@@ -113,3 +120,35 @@ def test_sampled_loss_with_log_q() -> None:
     full = next_item_loss(u, tgt, w)
     sampled = next_item_loss(u, tgt, w, sampler, torch.arange(10))
     assert torch.allclose(full, sampled, atol=1e-6)
+
+
+def test_proteus_ffn_update_mask_locks_trailing_coordinates() -> None:
+    cfg = tiny_config(epochs=1, proteus_ffn_mask=True, proteus_ffn_horizon=1000)
+    cfg.memory.n_blocks = 4
+    model = make_model(cfg)
+    ffn = model.layers[0].ffn[0].weight  # type: ignore[index]
+    before = ffn.detach().clone().view(-1)
+    other = model.readout.weight.detach().clone()
+    seqs = cyclic_seqs(n_users=8, n_items=N_ITEMS, max_len=10)
+    train_memory_model(model, seqs, cfg.train)
+    after = ffn.detach().view(-1)
+    d = ffn.numel() // 4
+    # Far below the horizon only the first of 4 blocks is open.
+    assert not torch.equal(after[:d], before[:d])
+    assert torch.equal(after[d:], before[d:])
+    assert not torch.equal(model.readout.weight, other)
+
+
+def test_proteus_update_mask_schedule() -> None:
+    p = torch.nn.Parameter(torch.zeros(10))
+    optim = torch.optim.AdamW([p], lr=0.1, weight_decay=0.1)
+    mask = ProteusUpdateMask([p], optim, n_blocks=2, horizon=4)
+    opened = []
+    for _ in range(4):
+        p.grad = torch.ones(10)
+        mask.before_step()
+        optim.step()
+        mask.after_step()
+        opened.append(int((p.detach() != 0).sum()))
+        assert torch.all(optim.state[p]["exp_avg"][opened[-1] :] == 0)
+    assert opened == [5, 5, 10, 10]
