@@ -40,7 +40,6 @@ from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 
 from models.recommender import MemoryRecommender  # noqa: E402
 from recmem.config import Config  # noqa: E402
-from recmem.datasets import load_dataset  # noqa: E402
 from recmem.ingest import build_service  # noqa: E402
 from recmem.modelstore import save_model  # noqa: E402
 from recmem.vocab import ItemVocab  # noqa: E402
@@ -136,11 +135,35 @@ def end_to_end(cfg: Config, n: int) -> dict[str, object]:
     }
 
 
+def load_events(args: argparse.Namespace, cfg: Config) -> tuple[dict[str, list], list[str]]:
+    """The first M events as per-column lists, and every item id of the dataset (vocab)."""
+    names = ("user_id", "item_id", "ts_ms", "action", "value")
+    if args.events_npz:
+        import numpy as np
+
+        with np.load(args.events_npz, allow_pickle=False) as z:
+            full = {c: z[c] for c in names}
+        items = sorted(set(full["item_id"].tolist()))
+        m = args.events or len(full["user_id"])
+        return {c: full[c][:m].tolist() for c in names}, items
+    from recmem.datasets import load_dataset
+
+    data = load_dataset(args.dataset, cfg.data)
+    frame = data.events if not args.events else data.events.head(args.events)
+    items = sorted(data.events["item_id"].unique().to_list())
+    return {c: frame[c].to_list() for c in names}, items
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", default="ml-100k")
     ap.add_argument("--events", type=int, default=200_000, help="M (0: the whole dataset)")
+    ap.add_argument(
+        "--events-npz",
+        help="read events from an .npz (user_id, item_id, ts_ms, action, value arrays, time "
+        "order) instead of --dataset (for machines without polars)",
+    )
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--interval", type=float, default=10.0, help="checkpoint.interval_s")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -153,9 +176,8 @@ def main() -> None:
 
     cfg = load_config(None, args.set, environ={})
     work = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
-    data = load_dataset(args.dataset, cfg.data)
-    frame = data.events if not args.events else data.events.head(args.events)
-    n = frame.height
+    cols, all_items = load_events(args, cfg)
+    n = len(cols["user_id"])
     with EmbeddedBroker(log_path=work / "broker.log") as broker:
         k = cfg.kafka
         k.bootstrap_servers = broker.bootstrap
@@ -165,7 +187,7 @@ def main() -> None:
         k.max_past_ms = k.max_future_ms = 0
         k.metrics_port = 0
         ensure_topics(k, {k.topic: k.partitions, k.dead_letter_topic: 1})
-        rows = frame.select(["user_id", "item_id", "ts_ms", "action", "value"]).iter_rows()
+        rows = zip(*(cols[c] for c in ("user_id", "item_id", "ts_ms", "action", "value")))
         t = time.perf_counter()
         with EventProducer(k) as producer:
             producer.send((make_event(u, i, ts, a, v) for u, i, ts, a, v in rows), progress=False)
@@ -177,9 +199,7 @@ def main() -> None:
         cfg.state.spill_dir = str(work / "spill")
         cfg.server.model_dir = str(work / "model")
         torch.manual_seed(cfg.train.seed)
-        vocab = ItemVocab(
-            sorted(data.events["item_id"].unique().to_list()), cfg.model.n_oov_buckets
-        )
+        vocab = ItemVocab(all_items, cfg.model.n_oov_buckets)
         model = MemoryRecommender(vocab.n_items, vocab.n_oov, cfg.memory, cfg.model)
         save_model(cfg.server.model_dir, model, vocab, cfg)
         if args.device != "auto":
@@ -195,9 +215,9 @@ def main() -> None:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "command": " ".join([".venv/bin/python", "bench/bench_ingest.py", *sys.argv[1:]]),
-        "dataset": args.dataset,
+        "dataset": args.events_npz or args.dataset,
         "events": n,
-        "users": int(frame["user_id"].n_unique()),
+        "users": len(set(cols["user_id"])),
         "partitions": args.partitions,
         "max_poll_records": cfg.kafka.max_poll_records,
         "checkpoint_interval_s": args.interval,
