@@ -21,7 +21,7 @@ from recmem.archive.selection import (
     select_spans,
     span_addresses,
 )
-from recmem.archive.store import Note, PendingEvents, UserArchive
+from recmem.archive.store import PENDING_DTYPE, Note, PendingEvents, UserArchive
 from recmem.config import ArchiveConfig
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,8 @@ class NoteBank:
             ev[0],
             ev[1],
             ev[2],
-            self._channels(k, n, "keys"),
-            self.address(self._channels(q, n, "queries")),
+            l2_normalise(self._channels(k, n, "keys")).astype(PENDING_DTYPE),
+            l2_normalise(self.address(self._channels(q, n, "queries"))).astype(PENDING_DTYPE),
         )
         with self._lock:
             ua = self._users.get(user_id)

@@ -10,7 +10,7 @@ Layout (U users, N notes, E note events, P buffered events):
   note_addresses [N, C_ch, d_rho], note_items/actions/ts_ms/positions [E],
   note_item_id(_offsets), user_pending_offsets [U+1],
   pending_items/actions/ts_ms/positions [P], pending_item_id(_offsets),
-  pending_k [P, C_ch, K], pending_u [P, C_ch, d_rho].
+  pending_k [P, C_ch, K], pending_u [P, C_ch, d_rho] (float16, see PENDING_DTYPE).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from recmem.archive.store import Note, PendingEvents, UserArchive
+from recmem.archive.store import PENDING_DTYPE, Note, PendingEvents, UserArchive
 
 FORMAT_VERSION = 1
 PREFIX = "archive."
@@ -71,12 +71,12 @@ def pack_users(
             else np.zeros((0, n_channels, d_rho), np.float32)
         ),
         "user_pending_offsets": _offsets([len(p) for p in pend]),
-        "pending_k": np.concatenate([p.k for p in pend]).astype(np.float32)
+        "pending_k": np.concatenate([p.k for p in pend]).astype(PENDING_DTYPE)
         if pend
-        else np.zeros((0, n_channels, key_dim), np.float32),
-        "pending_u": np.concatenate([p.u for p in pend]).astype(np.float32)
+        else np.zeros((0, n_channels, key_dim), PENDING_DTYPE),
+        "pending_u": np.concatenate([p.u for p in pend]).astype(PENDING_DTYPE)
         if pend
-        else np.zeros((0, n_channels, d_rho), np.float32),
+        else np.zeros((0, n_channels, d_rho), PENDING_DTYPE),
     }
     out["user_id"], out["user_id_offsets"] = pack_strings([u for u, _ in users])
     for f in _EVENT_FIELDS:
@@ -129,8 +129,8 @@ def unpack_users(
     pend_ev = {f: a.ints(f"pending_{f}") for f in _EVENT_FIELDS}
     n_pend = len(pend_ev["items"])
     _check_offsets(pend_off, n_pend, "user_pending_offsets")
-    pend_k = a.floats("pending_k", (n_pend, n_channels, key_dim))
-    pend_u = a.floats("pending_u", (n_pend, n_channels, d_rho))
+    pend_k = a.floats("pending_k", (n_pend, n_channels, key_dim), PENDING_DTYPE)
+    pend_u = a.floats("pending_u", (n_pend, n_channels, d_rho), PENDING_DTYPE)
     pend_ids = unpack_strings(
         a.ints("pending_item_id", np.uint8), a.ints("pending_item_id_offsets"), "pending_item_id"
     )
@@ -190,7 +190,7 @@ class _Reader:
             raise ValueError(f"archive state: '{PREFIX + key}' has {len(arr)} rows, not {length}")
         return arr.astype(dtype, copy=False)
 
-    def floats(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
+    def floats(self, key: str, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
         arr = self._get(key)
         if arr.shape != shape or arr.dtype.kind != "f":
             raise ValueError(
@@ -199,7 +199,7 @@ class _Reader:
             )
         if not np.all(np.isfinite(arr)):
             raise ValueError(f"archive state: '{PREFIX + key}' has non-finite values")
-        return arr.astype(np.float32, copy=False)
+        return arr.astype(dtype, copy=False)
 
 
 def _offsets(lengths: Sequence[int]) -> np.ndarray:

@@ -62,10 +62,17 @@ def replay_events(notes: list[Note]) -> ReplayEvents:
     )
 
 
+PENDING_DTYPE = np.float16
+"""Storage type of the open chunk's unit keys and projected queries: half the memory and
+checkpoint bytes of float32, and the same values whether or not a restart came between
+(distinctiveness and addresses are computed from the stored values either way)."""
+
+
 @dataclass
 class PendingEvents:
     """Events of the user's open chunk (not yet closed), with what the write path needs of
-    them later: keys k [n, C_ch, K] and projected queries u = P q [n, C_ch, d_rho]."""
+    them later: unit keys k [n, C_ch, K] and unit projected queries u = P q / |P q|
+    [n, C_ch, d_rho] (both scale-free where they are used), as PENDING_DTYPE."""
 
     items: np.ndarray
     item_ids: list[str]
@@ -84,8 +91,8 @@ class PendingEvents:
             actions=z,
             ts_ms=z,
             positions=z,
-            k=np.zeros((0, n_channels, key_dim), np.float32),
-            u=np.zeros((0, n_channels, address_dim), np.float32),
+            k=np.zeros((0, n_channels, key_dim), PENDING_DTYPE),
+            u=np.zeros((0, n_channels, address_dim), PENDING_DTYPE),
         )
 
     def __len__(self) -> int:
