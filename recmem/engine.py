@@ -179,8 +179,11 @@ class Engine:
     def _steps(self, lengths: np.ndarray) -> list[np.ndarray]:
         """Row sets of the batch, one ``advance`` each: all rows at once, or (with
         ``state.length_buckets``) users grouped by power-of-two length so that padding stays
-        below 2x the events; any set larger than the slab is cut into slab-sized pieces."""
-        if self.cfg.state.length_buckets:
+        below 2x the events; any set larger than the slab is cut into slab-sized pieces.
+        Buckets pay on the CPU path (padded steps cost as much as real ones); on the GPU they
+        only add launches, so ``auto`` leaves them off there."""
+        mode = self.cfg.state.length_buckets
+        if mode == "on" or (mode == "auto" and self.device.type == "cpu"):
             bucket = np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
             groups = [np.nonzero(bucket == b)[0] for b in np.unique(bucket)[::-1]]
         else:

@@ -100,7 +100,7 @@ def reference_states(engine, events):
 
 
 @pytest.mark.parametrize(
-    "capacity, host, buckets", [(64, 64, True), (64, 64, False), (5, 3, True), (5, 3, False)]
+    "capacity, host, buckets", [(64, 64, "auto"), (64, 64, "off"), (5, 3, "on"), (5, 3, "off")]
 )
 def test_micro_batches_equal_one_pass_per_user(tmp_path, capacity, host, buckets):
     events = random_events(600, 25)
@@ -115,7 +115,7 @@ def test_micro_batches_equal_one_pass_per_user(tmp_path, capacity, host, buckets
         total += counts.events
     assert total == 600
     steps = engine.seconds["user_steps"]
-    assert steps >= 600 and (not buckets or steps < 2 * 600)
+    assert steps >= 600 and (buckets == "off" or steps < 2 * 600)
     ref = reference_states(engine, events)
     users = sorted(ref)
     got = engine.snapshot(users)
