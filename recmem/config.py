@@ -202,10 +202,9 @@ class StateConfig:
     spill_dir: str = "runs/state-spill"
     """Where users evicted from host memory are written (a cache: each process uses a private
     subdirectory, removed on exit; checkpoints are the durable copy)."""
-    length_buckets: str = "auto"
-    """Engine step: on = run a micro-batch's users in power-of-two length buckets (one memory
-    update per bucket) so that padding stays under 2x the events; off = one update for the
-    batch; auto = on for the CPU path, off on the GPU (its varlen kernels skip padding)."""
+    length_buckets: bool = True
+    """Engine step: run a micro-batch's users in power-of-two length buckets (one memory update
+    per bucket) so that padding stays under 2x the events; false: one update for the batch."""
 
 
 @dataclass
@@ -281,6 +280,9 @@ class ServerConfig:
     """Longest a rank call waits for its micro-batch (the client deadline applies if shorter)."""
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest request message accepted."""
+    torch_threads: int = 0
+    """torch intra-op threads of the serving process (0 = torch's default). On a small or
+    shared CPU host, 1 avoids OpenMP stalls on the many small per-event operations."""
 
 
 @dataclass
@@ -421,10 +423,6 @@ def validate(cfg: Config) -> None:
         (cfg.train.loss in ("full", "sampled"), "train.loss must be full or sampled"),
         (cfg.eval.exclude_seen in ("auto", "yes", "no"), "eval.exclude_seen must be auto|yes|no"),
         (cfg.state.device_capacity >= 1, "state.device_capacity must be >= 1"),
-        (
-            cfg.state.length_buckets in ("auto", "on", "off"),
-            "state.length_buckets must be auto|on|off",
-        ),
     ]
     for ok, msg in checks:
         if not ok:

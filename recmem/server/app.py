@@ -4,6 +4,7 @@ and reflection, optional TLS and bearer token, graceful stop."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
@@ -15,6 +16,7 @@ from recmem.config import Config
 from recmem.ranking import BatchRanker, RankQuery, RankResult
 from recmem.server.auth import BearerTokenInterceptor, server_credentials
 from recmem.server.batcher import MicroBatcher
+from recmem.server.metrics import RankMetrics
 from recmem.server.servicer import Inspector, RecMemServicer
 from recmem.server.validation import Limits
 from recmem.vocab import ItemVocab
@@ -52,13 +54,20 @@ class RankServer:
         vocab: ItemVocab,
         model_version: str,
         inspector: Inspector,
+        metrics: RankMetrics | None = None,
     ) -> None:
         if vocab.n_items != ranker.n_items:
             raise ValueError(f"vocabulary has {vocab.n_items} items, the model {ranker.n_items}")
         s = cfg.server
         self.cfg = cfg
+        self.metrics = metrics if metrics is not None else RankMetrics()
+
+        def run_batch(queries: Sequence[RankQuery]) -> list[RankResult]:
+            self.metrics.batch_size.observe(len(queries))
+            return ranker.rank(queries)
+
         self.batcher: MicroBatcher[RankQuery, RankResult] = MicroBatcher(
-            ranker.rank, window_ms=s.batch_window_ms, max_batch=s.max_batch
+            run_batch, window_ms=s.batch_window_ms, max_batch=s.max_batch
         )
         interceptors = [BearerTokenInterceptor(s.auth_token)] if s.auth_token else []
         self.server = grpc.server(
@@ -73,6 +82,7 @@ class RankServer:
             model_version,
             inspector,
             timeout_s=s.request_timeout_s,
+            metrics=self.metrics,
         )
         rank_pb2_grpc.add_RecMemServicer_to_server(servicer, self.server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()

@@ -9,9 +9,11 @@ then lets the consumer finish its batch, checkpoint, commit and leave the group.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -24,9 +26,11 @@ from recmem.checkpoint import CheckpointStore
 from recmem.config import Config
 from recmem.ingest import IngestService, load_or_init_model
 from recmem.server.app import RankServer
+from recmem.server.metrics import RankMetrics
 from recmem.server.stack import RankStack, build_rank_stack, popularity_from_extra
-from recmem.state_store import StateLayout
+from recmem.state_store import StateLayout, UserStateStore
 from recmem.vocab import ItemVocab
+from streams.metrics import IngestMetrics
 from streams.validate import ValidEvent
 
 log = logging.getLogger(__name__)
@@ -97,10 +101,18 @@ class RecMemService:
         device: str | None = None,
     ) -> None:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if cfg.server.torch_threads > 0:
+            torch.set_num_threads(cfg.server.torch_threads)
         model, vocab, version, popularity = load_serving_model(cfg, dev, init_model)
         self.cfg = cfg
         self.stack: RankStack = build_rank_stack(cfg, model, vocab, version, popularity, dev)
-        self.server: RankServer = self.stack.server(cfg)
+        # one registry, one endpoint (server.metrics_port) for the rank and ingest figures
+        self.metrics = IngestMetrics(prefix="recmem_ingest")
+        self.server: RankServer = self.stack.server(cfg, RankMetrics(self.metrics.registry))
+        store = self.stack.engine.store
+        resident = self.metrics.gauge("users_resident", "User states held, by tier", ["tier"])
+        for tier in ("device", "host", "disk"):
+            resident.labels(tier=tier).set_function(_tier_count(store, tier))
         self.consumer: Any = None
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
@@ -114,7 +126,10 @@ class RecMemService:
             )
             service = IngestService(self.stack.engine, checkpoints, cfg.checkpoint.interval_s)
             self.ingest = service
-            self.consumer = EventConsumer(cfg.kafka, LockedSink(service, self.stack.lock))
+            kafka = dataclasses.replace(cfg.kafka, metrics_port=0)  # served below instead
+            self.consumer = EventConsumer(
+                kafka, LockedSink(service, self.stack.lock), metrics=self.metrics
+            )
 
     @property
     def port(self) -> int:
@@ -122,6 +137,8 @@ class RecMemService:
 
     def start(self) -> RecMemService:
         self.server.start()
+        if self.cfg.server.metrics_port > 0:
+            self.metrics.serve(self.cfg.server.metrics_port, self.cfg.server.host)
         if self.consumer is not None:
             self._thread = threading.Thread(target=self._consume, name="ingest", daemon=True)
             self._thread.start()
@@ -147,7 +164,12 @@ class RecMemService:
             if self._thread is not None:
                 self._thread.join()
         self.stack.engine.store.close()
+        self.metrics.close()
         self._done.set()
+
+
+def _tier_count(store: UserStateStore, tier: str) -> Callable[[], float]:
+    return lambda: float(store.tier_counts()[tier])
 
 
 def run_serve(cfg: Config, *, init_model: bool = False, ingest: bool = True) -> int:

@@ -4,6 +4,7 @@ micro-batcher (one engine step per batch) and translates results back."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import grpc
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.ranking import RankQuery, RankResult
 from recmem.server.batcher import BatcherStopped, MicroBatcher
+from recmem.server.metrics import RankMetrics
 from recmem.server.validation import InvalidRequest, Limits, to_query
 from recmem.vocab import ItemVocab
 
@@ -35,6 +37,13 @@ Inspector = Callable[[str], UserInfo | None]
 """user id -> UserInfo, or None for a user the service has never seen."""
 
 
+class _Failure(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class RecMemServicer(rank_pb2_grpc.RecMemServicer):
     def __init__(
         self,
@@ -44,6 +53,7 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         model_version: str,
         inspector: Inspector,
         timeout_s: float = 30.0,
+        metrics: RankMetrics | None = None,
     ) -> None:
         self._batcher = batcher
         self._vocab = vocab
@@ -51,29 +61,51 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         self._model_version = model_version
         self._inspector = inspector
         self._timeout_s = timeout_s
+        self._metrics = metrics
 
     def Rank(
         self, request: rank_pb2.RankRequest, context: grpc.ServicerContext
     ) -> rank_pb2.RankResponse:
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return self._rank(request, context.time_remaining())
+        except _Failure as f:
+            code = f.code
+            context.abort(f.code, f.message)
+            raise  # abort raises; this line only informs the type checker
+        finally:
+            if self._metrics is not None:
+                self._metrics.requests.labels(code=code.name).inc()
+                self._metrics.latency.observe(time.perf_counter() - start)
+
+    def _rank(
+        self, request: rank_pb2.RankRequest, remaining: float | None
+    ) -> rank_pb2.RankResponse:
         try:
             query = to_query(request, self._vocab, self._limits)
         except InvalidRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
             fut = self._batcher.submit(query)
         except BatcherStopped as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        remaining = context.time_remaining()
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         timeout = self._timeout_s if remaining is None else min(remaining, self._timeout_s)
         try:
             res = fut.result(timeout=max(timeout, 0.0))
         except FutureTimeout:
             fut.cancel()
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "rank did not finish in time")
+            raise _Failure(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "rank did not finish in time"
+            ) from None
         except BatcherStopped as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except Exception:  # noqa: BLE001 - logged by the batcher; the client gets INTERNAL
-            context.abort(grpc.StatusCode.INTERNAL, "rank failed; see the server log")
+            raise _Failure(grpc.StatusCode.INTERNAL, "rank failed; see the server log") from None
+        if self._metrics is not None:
+            self._metrics.notes_replayed.inc(res.notes_replayed)
+            if res.cold_start:
+                self._metrics.cold_starts.inc()
         ids = self._vocab.item_ids
         return rank_pb2.RankResponse(
             items=[

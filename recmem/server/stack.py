@@ -18,6 +18,7 @@ from recmem.config import Config
 from recmem.engine import Engine
 from recmem.ranking import Ranker
 from recmem.server.app import RankServer
+from recmem.server.metrics import RankMetrics
 from recmem.server.sources import EngineSources, RecentEventsHook
 from recmem.state_store import StateLayout, UserStateStore
 from recmem.vocab import ItemVocab
@@ -78,9 +79,11 @@ class RankStack:
     model_version: str
     lock: threading.RLock
 
-    def server(self, cfg: Config) -> RankServer:
+    def server(self, cfg: Config, metrics: RankMetrics | None = None) -> RankServer:
         """A RankServer (not started) over this stack."""
-        return RankServer(cfg, self.ranker, self.vocab, self.model_version, self.sources.inspect)
+        return RankServer(
+            cfg, self.ranker, self.vocab, self.model_version, self.sources.inspect, metrics
+        )
 
 
 def build_rank_stack(

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -243,6 +245,10 @@ def test_concurrent_requests_are_micro_batched(env: RankEnv) -> None:
         assert srv.batcher.requests == 13
         assert srv.batcher.largest_batch > 1
         assert srv.batcher.batches < 13
+        reg = srv.metrics.registry
+        assert reg.get_sample_value("recmem_rank_requests_total", {"code": "OK"}) == 13
+        assert reg.get_sample_value("recmem_rank_batch_size_count") == srv.batcher.batches
+        assert reg.get_sample_value("recmem_rank_batch_size_sum") == 13
     finally:
         srv.stop(grace=1.0)
 
@@ -370,6 +376,9 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
     cfg.kafka = kafka_config(partitions=2)
     cfg.server.model_dir = str(tmp_path / "model")
     cfg.checkpoint.dir = str(tmp_path / "ckpt")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        cfg.server.metrics_port = sock.getsockname()[1]
     save_model(cfg.server.model_dir, env.model, env.vocab, cfg, {"popularity": env.popularity})
     events = [
         make_event(
@@ -403,6 +412,11 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
                 timeout=TIMEOUT,
             )
             assert len(res.items) == 5 and res.position == 20 and res.notes_replayed >= 1
+            url = f"http://127.0.0.1:{cfg.server.metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as page:
+                text = page.read().decode()
+            assert 'recmem_rank_requests_total{code="OK"}' in text
+            assert "recmem_ingest_events_total 60.0" in text
             assert res.model_version.startswith("memory-E4-N32-")
     finally:
         svc.stop(grace=1.0)
