@@ -202,9 +202,10 @@ class StateConfig:
     spill_dir: str = "runs/state-spill"
     """Where users evicted from host memory are written (a cache: each process uses a private
     subdirectory, removed on exit; checkpoints are the durable copy)."""
-    length_buckets: bool = True
-    """Engine step: run a micro-batch's users in power-of-two length buckets (one memory update
-    per bucket) so that padding stays under 2x the events; false: one update for the batch."""
+    length_buckets: str = "auto"
+    """Engine step: on = run a micro-batch's users in power-of-two length buckets (one memory
+    update per bucket) so that padding stays under 2x the events; off = one update for the
+    batch; auto = on for the CPU path, off on the GPU (its varlen kernels skip padding)."""
 
 
 @dataclass
@@ -423,6 +424,10 @@ def validate(cfg: Config) -> None:
         (cfg.train.loss in ("full", "sampled"), "train.loss must be full or sampled"),
         (cfg.eval.exclude_seen in ("auto", "yes", "no"), "eval.exclude_seen must be auto|yes|no"),
         (cfg.state.device_capacity >= 1, "state.device_capacity must be >= 1"),
+        (
+            cfg.state.length_buckets in ("auto", "on", "off"),
+            "state.length_buckets must be auto|on|off",
+        ),
     ]
     for ok, msg in checks:
         if not ok:
