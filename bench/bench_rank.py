@@ -1,0 +1,406 @@
+"""Rank latency and throughput of the gRPC service on loopback, against a SASRec service.
+
+    .venv/bin/python bench/bench_rank.py [--users N] [--events N] [--items N] [--seconds S]
+                                         [--device auto|cpu|cuda] [--threads N] [--out DIR]
+
+A server process builds the real stack (engine + state store + NoteBank + micro-batcher +
+gRPC) on the default memory configuration with a freshly initialised model (latency does
+not depend on training), ingests synthetic Zipf histories through ``Engine.apply`` (notes
+are written as at ingest), and serves two RecMem services: the memory model, and the SASRec
+baseline that re-encodes each request's user's last 200 events (one forward per request,
+``SASRec.encode_history``) behind the same batcher and servicer. The client process runs
+closed-loop load at concurrency 1, 8 and 32 for each request shape: 100 candidates (k=10)
+and whole-catalog top-10, replay off and on (R = 2, 4). SASRec has no notes, so each memory
+cell is compared with SASRec on the same request shape and concurrency.
+
+Writes DIR/rank_<device>.json (DIR = $OUT, else bench/results): machine, date, commit,
+configuration, one row per cell (p50/p99/mean ms, throughput, mean micro-batch size) and
+the SASRec/memory ratios. The goal checked: CPU p99 <= 30 ms at concurrency 8 (GPU: p99 <=
+10 ms at 100 candidates with replay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONCURRENCY = (1, 8, 32)
+SHAPES = (
+    ("cand100", 0),
+    ("cand100", 2),
+    ("cand100", 4),
+    ("catalog", 0),
+    ("catalog", 2),
+    ("catalog", 4),
+)
+K = 10
+N_CANDIDATES = 100
+SASREC_WINDOW = 200
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# ---- server process ----------------------------------------------------------------------
+
+
+class SASRecRanker:
+    """The baseline behind the same servicer: per request, re-encode the user's last 200
+    events (plus the request's context) with one SASRec forward, then score."""
+
+    def __init__(self, model: Any, history: dict[str, np.ndarray]) -> None:
+        import torch
+
+        self.model = model
+        self.history = history
+        self.device = next(model.parameters()).device
+        self.n_items = model.n_items
+        self._torch = torch
+
+    def rank(self, queries: Sequence[Any]) -> list[Any]:
+        from recmem.ranking import RankResult
+
+        torch = self._torch
+        out = []
+        with torch.no_grad():
+            for q in queries:
+                hist = self.history.get(q.user_id, np.zeros(0, np.int64))
+                seq = np.concatenate([hist, q.context.items])[-SASREC_WINDOW:]
+                if len(seq) == 0:
+                    seq = np.zeros(1, np.int64)
+                vec = self.model.encode_history(torch.as_tensor(seq, device=self.device))
+                if q.candidates is None:
+                    scores = self.model.score(vec[None])[0]
+                    val, idx = torch.topk(scores, min(q.k, self.n_items))
+                else:
+                    cand = torch.as_tensor(q.candidates, device=self.device)
+                    scores = self.model.score(vec[None], cand[None])[0]
+                    val, pos = torch.topk(scores, min(q.k, len(cand)))
+                    idx = cand[pos]
+                out.append(
+                    RankResult(
+                        idx.cpu().numpy(),
+                        val.cpu().numpy(),
+                        len(hist),
+                        len(hist) == 0,
+                        0,
+                        len(q.context),
+                    )  # fmt: skip
+                )
+        return out
+
+
+def synthetic_histories(
+    n_users: int, events: int, n_items: int, seed: int
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Zipf item popularity, 1-10 min gaps; lengths uniform in [events/2, 3*events/2]."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, n_items + 1) ** 0.8
+    p /= p.sum()
+    out = {}
+    for u in range(n_users):
+        n = int(rng.integers(events // 2, 3 * events // 2 + 1))
+        items = rng.choice(n_items, size=n, p=p).astype(np.int64)
+        actions = rng.integers(0, 6, n).astype(np.int64)
+        ts = (1_600_000_000_000 + np.cumsum(rng.integers(60_000, 600_000, n))).astype(np.int64)
+        out[f"u{u}"] = (items, actions, ts)
+    return out
+
+
+def serve(args: argparse.Namespace, conn: Any) -> None:
+    """Child process: build, ingest, serve both services, answer control messages."""
+    import torch
+
+    from models.recommender import MemoryRecommender
+    from models.sasrec import SASRec, SASRecConfig
+    from recmem.config import Config
+    from recmem.ranking import train_popularity
+    from recmem.server.app import RankServer
+    from recmem.server.stack import build_rank_stack
+    from recmem.vocab import ItemVocab
+    from streams.validate import ValidEvent
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = Config()
+    cfg.server.port = 0
+    cfg.state.device_capacity = max(cfg.state.device_capacity, args.users)
+    cfg.state.spill_dir = args.spill_dir
+    vocab = ItemVocab([f"item{i}" for i in range(args.items)], cfg.model.n_oov_buckets)
+    model = MemoryRecommender(args.items, cfg.model.n_oov_buckets, cfg.memory, cfg.model)
+    model = model.to(device).eval()
+    hist = synthetic_histories(args.users, args.events, args.items, seed=1)
+    popularity = train_popularity(np.concatenate([h[0] for h in hist.values()]), args.items)
+    stack = build_rank_stack(cfg, model, vocab, "bench-memory", popularity, device=device)
+    t0 = time.perf_counter()
+    n_events = 0
+    longest = max(len(h[0]) for h in hist.values())
+    for start in range(0, longest, 64):
+        batch = [
+            ValidEvent(u, vocab.item_ids[it[i]], int(ts[i]), int(ac[i]), 1.0, None, 0, i)
+            for u, (it, ac, ts) in hist.items()
+            for i in range(start, min(start + 64, len(it)))
+        ]
+        stack.engine.apply(batch)
+        n_events += len(batch)
+    ingest_s = time.perf_counter() - t0
+    notes = sum(stack.bank.note_count(u) for u in hist)
+
+    sasrec = SASRec(args.items, cfg.model.n_oov_buckets, SASRecConfig()).to(device).eval()
+    sas_hist = {u: h[0][-SASREC_WINDOW:] for u, h in hist.items()}
+    memory_server = stack.server(cfg).start()
+    sas_ranker = SASRecRanker(sasrec, sas_hist)
+    sas_server = RankServer(cfg, sas_ranker, vocab, "bench-sasrec", lambda user: None)
+    sas_server.start()
+    conn.send(
+        {
+            "memory_port": memory_server.port,
+            "sasrec_port": sas_server.port,
+            "device": device,
+            "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
+            "torch_threads": torch.get_num_threads(),
+            "ingest": {"events": n_events, "seconds": ingest_s, "notes": notes},
+            "config": {
+                "memory": cfg.to_dict()["memory"],
+                "model": cfg.to_dict()["model"],
+                "archive": cfg.to_dict()["archive"],
+                "server": {k: cfg.to_dict()["server"][k] for k in ("batch_window_ms", "max_batch")},
+                "sasrec": {"max_len": SASREC_WINDOW, "embed_dim": sasrec.cfg.embed_dim,
+                           "n_layers": sasrec.cfg.n_layers},
+            },
+        }
+    )  # fmt: skip
+    servers = {"memory": memory_server, "sasrec": sas_server}
+    while True:
+        msg = conn.recv()
+        if msg == "stop":
+            break
+        b = servers[msg].batcher
+        conn.send({"batches": b.batches, "requests": b.requests})
+    for s in servers.values():
+        s.stop(grace=1.0)
+    stack.engine.store.close()
+
+
+# ---- client ------------------------------------------------------------------------------
+
+
+def run_cell(
+    port: int, concurrency: int, shape: str, replay: int, seconds: float, users: int,
+    n_items: int, seed: int,
+) -> dict[str, Any]:  # fmt: skip
+    import grpc
+
+    from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+
+    def request(rng: np.random.Generator) -> Any:
+        cands = []
+        if shape == "cand100":
+            cands = [f"item{i}" for i in rng.choice(n_items, N_CANDIDATES, replace=False)]
+        return rank_pb2.RankRequest(
+            user_id=f"u{rng.integers(users)}",
+            k=K,
+            candidate_item_ids=cands,
+            replay=rank_pb2.ReplayOptions(enabled=replay > 0, notes=replay),
+        )
+
+    latencies: list[list[float]] = [[] for _ in range(concurrency)]
+    notes: list[int] = []
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = rank_pb2_grpc.RecMemStub(ch)
+        rng0 = np.random.default_rng(seed)
+        for _ in range(3):  # warm up the channel and the path
+            stub.Rank(request(rng0), timeout=60)
+        start_gate = threading.Barrier(concurrency + 1)
+        stop_at = [0.0]
+
+        def worker(i: int) -> None:
+            rng = np.random.default_rng(seed * 1000 + i)
+            reqs = [request(rng) for _ in range(64)]
+            start_gate.wait()
+            j = 0
+            while time.perf_counter() < stop_at[0]:
+                t = time.perf_counter()
+                res = stub.Rank(reqs[j % len(reqs)], timeout=60)
+                latencies[i].append(time.perf_counter() - t)
+                if i == 0 and j < 64:
+                    notes.append(res.notes_replayed)
+                j += 1
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+        for t in threads:
+            t.start()
+        stop_at[0] = time.perf_counter() + seconds
+        begin = time.perf_counter()
+        start_gate.wait()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - begin
+    lat = np.array([x for xs in latencies for x in xs]) * 1000.0
+    return {
+        "requests": int(len(lat)),
+        "p50_ms": float(np.percentile(lat, 50)),
+        "p99_ms": float(np.percentile(lat, 99)),
+        "mean_ms": float(lat.mean()),
+        "throughput_rps": float(len(lat) / elapsed),
+        "mean_notes_replayed": float(np.mean(notes)) if notes else 0.0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--users", type=int, default=256)
+    ap.add_argument("--events", type=int, default=300, help="mean events per user")
+    ap.add_argument("--items", type=int, default=3706, help="catalog size (ML-1M: 3706)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="measurement time per cell")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in the server (0 = torch default); on a small shared "
+        "CPU one thread avoids OpenMP stalls",
+    )
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    args = ap.parse_args()
+    import tempfile
+
+    wall = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-rank-") as spill:
+        args.spill_dir = spill
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=serve, args=(args, child), daemon=True)
+        proc.start()
+        try:
+            info = parent.recv()
+            print(
+                f"server on {info['device']}: ingested {info['ingest']['events']} events "
+                f"({info['ingest']['notes']} notes) in {info['ingest']['seconds']:.1f} s",
+                flush=True,
+            )
+            cells = []
+            for system in ("memory", "sasrec"):
+                port = info[f"{system}_port"]
+                for c in CONCURRENCY:
+                    for shape, replay in SHAPES:
+                        if system == "sasrec" and replay:
+                            continue  # SASRec has no notes: one cell per shape
+                        parent.send(system)
+                        before = parent.recv()
+                        cell = run_cell(
+                            port, c, shape, replay, args.seconds, args.users, args.items, seed=c
+                        )
+                        parent.send(system)
+                        after = parent.recv()
+                        n_b = after["batches"] - before["batches"]
+                        cell["mean_batch"] = (after["requests"] - before["requests"]) / max(n_b, 1)
+                        cell.update(system=system, concurrency=c, shape=shape, replay_notes=replay)
+                        cells.append(cell)
+                        print(
+                            f"{system:6s} c={c:2d} {shape:7s} R={replay}: p50 {cell['p50_ms']:6.2f}"
+                            f" ms  p99 {cell['p99_ms']:6.2f} ms  {cell['throughput_rps']:7.1f}"
+                            f" req/s  batch {cell['mean_batch']:.1f}",
+                            flush=True,
+                        )
+            parent.send("stop")
+        finally:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+    sas = {(x["concurrency"], x["shape"]): x for x in cells if x["system"] == "sasrec"}
+    ratios = []
+    for x in cells:
+        if x["system"] != "memory":
+            continue
+        base = sas[(x["concurrency"], x["shape"])]
+        ratios.append(
+            {
+                "concurrency": x["concurrency"],
+                "shape": x["shape"],
+                "replay_notes": x["replay_notes"],
+                "sasrec_over_memory_p50": base["p50_ms"] / x["p50_ms"],
+                "sasrec_over_memory_p99": base["p99_ms"] / x["p99_ms"],
+                "memory_over_sasrec_throughput": x["throughput_rps"] / base["throughput_rps"],
+            }
+        )
+    gpu = info["device"].startswith("cuda")
+    goal_cells = [
+        x for x in cells
+        if x["system"] == "memory"
+        and (x["concurrency"] == 8 if not gpu else (x["shape"] == "cand100" and x["replay_notes"]))
+    ]  # fmt: skip
+    limit = 10.0 if gpu else 30.0
+    result = {
+        "bench": "rank",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "machine": {
+            "host": socket.gethostname(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "load_avg_1m_at_end": os.getloadavg()[0],
+            "python": platform.python_version(),
+            "device": info["device"],
+            "device_name": info["device_name"],
+            "torch_threads": info["torch_threads"],
+        },
+        "setup": {
+            "users": args.users,
+            "mean_events_per_user": args.events,
+            "items": args.items,
+            "seconds_per_cell": args.seconds,
+            "k": K,
+            "candidates": N_CANDIDATES,
+            "ingest": info["ingest"],
+            "model": "freshly initialised (latency does not depend on training)",
+            **info["config"],
+        },
+        "cells": cells,
+        "ratios": ratios,
+        "goal": {
+            "rule": "GPU: p99 <= 10 ms at 100 candidates with replay"
+            if gpu
+            else "CPU: p99 <= 30 ms at concurrency 8",
+            "met": all(x["p99_ms"] <= limit for x in goal_cells),
+            "worst_p99_ms": max(x["p99_ms"] for x in goal_cells),
+        },
+        "wall_seconds": time.perf_counter() - wall,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"rank_{'gpu' if gpu else 'cpu'}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"goal ({result['goal']['rule']}): {'met' if result['goal']['met'] else 'NOT met'}, "
+          f"worst p99 {result['goal']['worst_p99_ms']:.1f} ms; wrote {path}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
