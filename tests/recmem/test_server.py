@@ -121,6 +121,12 @@ def test_inspect_user(stub) -> None:
     assert info.unlocked_blocks == info.total_blocks == 4
     assert 5 <= info.note_count <= 10
     assert info.last_ts_ms > 0
+    # 6 users, a slab of 4 and host room for 2: every tier but disk is in use
+    tiers = {
+        stub.InspectUser(rank_pb2.InspectUserRequest(user_id=f"user{u}")).resident_tier
+        for u in range(6)
+    }
+    assert tiers == {"device", "host"}
     assert info.model_version == "test-model"
     none = stub.InspectUser(rank_pb2.InspectUserRequest(user_id="nobody"), timeout=TIMEOUT)
     assert not none.known and none.position == 0
