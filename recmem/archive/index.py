@@ -6,7 +6,11 @@ chronological order. A search touches this user's rows only, never another user'
 
 Route needs, for every query position tau and channel c, the cosine with channel c's
 address of EVERY note (votes take the per-channel max over positions, the tie-break sums
-them). On the CPU ``compute_distance_subset`` scores query (tau, c) against exactly the
+them). The cosine is taken on the note's open coordinates: an address P q~ written while
+the Proteus schedule had only some key blocks open is zero past its last open coordinate,
+so the query is compared on that prefix only (u . rho / |u[:open]|). With every block
+open this is the plain cosine; without it, a query from a later position (more blocks
+open) would lose cosine to every older note and routing would lean to recent notes. On the CPU ``compute_distance_subset`` scores query (tau, c) against exactly the
 rows c, C_ch + c, 2 C_ch + c, ...: no other channel's rows, no top-k heap. On a GPU
 (``GpuIndexFlatIP``, when the installed faiss has GPU support and sees a device) the
 index is searched for all of its rows (k = rows, at most 2048 there) and the channel's
@@ -41,6 +45,25 @@ def gpu_resources(use_gpu: bool | None) -> Any | None:
     return faiss.StandardGpuResources()
 
 
+def open_dims(addresses: np.ndarray) -> np.ndarray:
+    """[..., C_ch] how many leading coordinates of each address [..., C_ch, d_rho] can be
+    nonzero: one past the last nonzero coordinate (0 for an all-zero address)."""
+    nonzero = addresses != 0
+    last = addresses.shape[-1] - np.argmax(nonzero[..., ::-1], axis=-1)
+    return np.where(nonzero.any(axis=-1), last, 0).astype(np.int64)
+
+
+def masked_cosines(raw: np.ndarray, u: np.ndarray, open_: np.ndarray) -> np.ndarray:
+    """raw [n, C_ch, notes] = u . rho for unit queries u [n, C_ch, d_rho] -> the cosine on
+    each note's open prefix, u . rho / |u[:open]| (0 where that prefix of u is zero)."""
+    n, ch, d = u.shape
+    cum = np.zeros((n, ch, d + 1), dtype=np.float32)
+    cum[..., 1:] = np.sqrt(np.cumsum(u.astype(np.float32) ** 2, axis=-1))
+    idx = np.broadcast_to(open_.T[None, :, :], (n, ch, open_.shape[0]))
+    norm = np.take_along_axis(cum, idx, axis=-1)  # [n, C_ch, notes]
+    return np.where(norm > 1e-6, raw / np.maximum(norm, 1e-6), 0.0).astype(np.float32)
+
+
 class UserAddressIndex:
     """The address index of one user's notes (see the module docstring for the layout)."""
 
@@ -48,6 +71,7 @@ class UserAddressIndex:
         self.n_channels = n_channels
         self.address_dim = address_dim
         self._gpu = gpu
+        self._open = np.zeros((0, n_channels), dtype=np.int64)
         self._index: Any = (
             faiss.GpuIndexFlatIP(gpu, address_dim)
             if gpu is not None
@@ -64,21 +88,29 @@ class UserAddressIndex:
         if len(addresses):
             rows = addresses.reshape(-1, self.address_dim).astype(np.float32)
             self._index.add(np.ascontiguousarray(rows))
+            self._open = np.concatenate([self._open, open_dims(addresses)])
 
     def rebuild(self, addresses: np.ndarray) -> None:
         """Replace the contents with ``addresses`` [n, C_ch, d_rho] (after eviction or load)."""
         self._index.reset()
+        self._open = np.zeros((0, self.n_channels), dtype=np.int64)
         self.add(addresses)
 
     def similarities(self, u: np.ndarray) -> np.ndarray:
-        """cos(u[tau, c], rho_c of note i) for unit queries u [n, C_ch, d_rho]:
-        [n, C_ch, notes], exact."""
+        """Cosine of u[tau, c] and rho_c of note i on the note's open prefix (module
+        docstring) for unit queries u [n, C_ch, d_rho]: [n, C_ch, notes], exact."""
         n, ch, notes = u.shape[0], self.n_channels, self.size
         if notes == 0 or n == 0:
             return np.zeros((n, ch, notes), dtype=np.float32)
         queries = np.ascontiguousarray(u.reshape(n * ch, self.address_dim), dtype=np.float32)
+        raw = self._inner_products(queries, n)
+        return masked_cosines(raw, u, self._open)
+
+    def _inner_products(self, queries: np.ndarray, n: int) -> np.ndarray:
+        """u . rho for query rows tau * C_ch + c: [n, C_ch, notes]."""
+        ch, notes = self.n_channels, self.size
         if self._gpu is not None:
-            return self._similarities_gpu(queries, n)
+            return self._inner_products_gpu(queries, n)
         # Query row tau * C_ch + c is scored against rows i * C_ch + c of every note i.
         labels = np.ascontiguousarray(
             np.tile(np.arange(notes, dtype=np.int64)[None, :] * ch, (n * ch, 1))
@@ -94,7 +126,7 @@ class UserAddressIndex:
         )
         return out.reshape(n, ch, notes)
 
-    def _similarities_gpu(self, queries: np.ndarray, n: int) -> np.ndarray:
+    def _inner_products_gpu(self, queries: np.ndarray, n: int) -> np.ndarray:
         ch, total = self.n_channels, int(self._index.ntotal)
         if total > GPU_MAX_K:
             raise ValueError(f"a GPU address index holds at most {GPU_MAX_K} rows, has {total}")

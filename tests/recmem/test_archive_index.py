@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from recmem.archive.index import UserAddressIndex, gpu_resources
+from recmem.archive.index import UserAddressIndex, gpu_resources, open_dims
 from recmem.archive.selection import l2_normalise
 
 
@@ -63,5 +63,30 @@ def test_gpu_search_path_logic_matches_on_a_cpu_index():
     index.add(rho)
     queries = np.ascontiguousarray(u.reshape(12, 5))
     np.testing.assert_allclose(
-        index._similarities_gpu(queries, 3), index.similarities(u), atol=1e-5
+        index._inner_products_gpu(queries, 3), index._inner_products(queries, 3), atol=1e-5
     )
+
+
+def test_cosine_is_taken_on_the_notes_open_prefix():
+    # Note 0 was written with only 3 of 6 coordinates open (Proteus): zeros after them.
+    rng = np.random.default_rng(3)
+    rho = l2_normalise(rng.normal(size=(2, 1, 6)))
+    rho[0, 0, 3:] = 0.0
+    rho = l2_normalise(rho)
+    assert open_dims(rho).tolist() == [[3], [6]]
+    u = l2_normalise(rng.normal(size=(1, 1, 6)))
+    index = UserAddressIndex(1, 6)
+    index.add(rho)
+    sims = index.similarities(u)[0, 0]
+    head = u[0, 0, :3]
+    assert sims[0] == pytest.approx(head @ rho[0, 0, :3] / np.linalg.norm(head), abs=1e-5)
+    assert sims[1] == pytest.approx(u[0, 0] @ rho[1, 0], abs=1e-5)
+    # A query equal to the truncated address matches it perfectly, whatever else it holds.
+    q = u.copy()
+    q[0, 0, :3] = rho[0, 0, :3]
+    assert index.similarities(l2_normalise(q))[0, 0, 0] == pytest.approx(1.0, abs=1e-5)
+    index.rebuild(rho[1:])
+    assert open_dims(rho[1:]).tolist() == [[6]] and index.similarities(u).shape == (1, 1, 1)
+    zero = np.zeros((1, 1, 6), np.float32)
+    index.add(zero)
+    assert index.similarities(u)[0, 0, 1] == 0.0
