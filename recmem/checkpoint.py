@@ -5,8 +5,14 @@ changelog and input offsets).
 Layout under the checkpoint root, one directory per partition::
 
     p-00003/MANIFEST.json        names the complete checkpoints, newest first
-    p-00003/ckpt-000000000042/   meta.json, users.json, state.*.bin, notes.*.npy
+    p-00003/ckpt-000000000042/   meta.json (offset, kind, parent, CRCs), users.json,
+                                 state.*.bin, notes.*.npy
     p-00003/.tmp-...             a checkpoint being written (never read)
+
+A checkpoint is full (every user of the partition) or a delta (only the users that changed
+since its parent, an earlier checkpoint); restoring a delta reads its chain back to the last
+full one, later states winning. The manifest keeps the newest ``keep`` restore points and
+every checkpoint their chains need.
 
 A checkpoint is written into a temporary directory, every file and the directory are
 fsynced, the directory is renamed into place, and then the manifest is replaced atomically.
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from models.state import MemoryState
 from recmem.state_store import StateLayout, state_from_numpy, state_to_numpy
@@ -46,7 +53,27 @@ class CheckpointError(ValueError):
 
 @dataclass
 class PartitionCheckpoint:
-    """What one checkpoint restores: users, their states (host memory), notes, offset."""
+    """What a restore gives: the partition's users and their states (host memory), merged
+    over the checkpoint's chain, and the next offset. ``notes_parts`` are the archive notes
+    of each checkpoint of the chain, oldest first, with the users each one covers (import
+    them in that order: later parts replace earlier ones for the same users). ``chain`` is
+    the names used, the full checkpoint first."""
+
+    partition: int
+    next_offset: int
+    user_ids: list[str]
+    state: MemoryState
+    notes_parts: list[tuple[list[str], dict[str, np.ndarray] | None]]
+    model_version: str
+    config_hash: str
+    seq: int
+    path: Path
+    chain: list[str]
+
+
+@dataclass
+class _Loaded:
+    """One verified checkpoint directory, as written."""
 
     partition: int
     next_offset: int
@@ -57,6 +84,7 @@ class PartitionCheckpoint:
     config_hash: str
     seq: int
     path: Path
+    parent: str | None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -143,8 +171,16 @@ class CheckpointStore:
         model_version: str,
         config_hash: str,
         notes: dict[str, np.ndarray] | None = None,
+        parent: str | None = None,
     ) -> Path:
-        """Write one complete checkpoint of ``partition`` and make it the newest."""
+        """Write one checkpoint of ``partition`` and make it the newest. Without ``parent``
+        it is full (every user of the partition); with ``parent`` (the name of an earlier
+        checkpoint of this partition) it is a delta holding only the users that changed
+        since ``parent``, and restoring it reads the chain back to the last full one."""
+        if parent is not None and not (
+            _NAME_OK.match(parent) and (self._pdir(partition) / parent / "meta.json").exists()
+        ):
+            raise ValueError(f"partition {partition}: parent checkpoint {parent!r} does not exist")
         if int(state.pos.shape[0]) != len(user_ids):
             raise ValueError(f"{len(user_ids)} user ids but {state.pos.shape[0]} states")
         pdir = self._pdir(partition)
@@ -183,6 +219,8 @@ class CheckpointStore:
                 "dtype": str(self.layout.dtype),
             },
             "has_notes": notes is not None,
+            "kind": "full" if parent is None else "delta",
+            "parent": parent,
             "created_unix": time.time(),
             "files": files,
         }
@@ -190,7 +228,7 @@ class CheckpointStore:
         _fsync_dir(tmp)
         os.rename(tmp, final)
         _fsync_dir(pdir)
-        keep = [final.name] + [n for n in names if n != final.name][: self.keep - 1]
+        keep = self._retained(partition, [final.name] + [n for n in names if n != final.name])
         self._write_manifest(partition, keep)
         # older checkpoints, and leftovers of writes that crashed (this process owns p now)
         for d in pdir.iterdir():
@@ -217,16 +255,35 @@ class CheckpointStore:
                 continue
         return None
 
+    def _parent_of(self, partition: int, name: str) -> str | None:
+        try:
+            meta = json.loads((self._pdir(partition) / name / "meta.json").read_text())
+        except (OSError, ValueError):
+            return None
+        parent = meta.get("parent")
+        return parent if isinstance(parent, str) and _NAME_OK.match(parent) else None
+
+    def _retained(self, partition: int, names: list[str]) -> list[str]:
+        """The newest ``keep`` restore points of ``names`` (newest first) and every older
+        checkpoint their delta chains need, newest first."""
+        keep: set[str] = set()
+        for name in names[: self.keep]:
+            cur: str | None = name
+            while cur is not None and cur not in keep:
+                keep.add(cur)
+                cur = self._parent_of(partition, cur)
+        return sorted(keep, reverse=True)
+
     def restore(
         self, partition: int, *, config_hash: str | None = None
     ) -> PartitionCheckpoint | None:
-        """The newest checkpoint of ``partition`` that passes its checks, or None if there is
-        none. Corrupted ones are skipped with a warning. A checkpoint written under another
-        config hash raises :class:`CheckpointError` (its states mean something else)."""
+        """The newest checkpoint of ``partition`` whose whole chain passes its checks, or
+        None if there is none. Corrupted ones are skipped with a warning. A checkpoint
+        written under another config hash raises :class:`CheckpointError` (its states mean
+        something else)."""
         for name in self._manifest(partition):
-            path = self._pdir(partition) / name
             try:
-                ckpt = self._load(partition, path)
+                chain = self._load_chain(partition, name)
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning(
                     "partition %d: checkpoint %s is unusable (%s); trying the previous one",
@@ -235,16 +292,66 @@ class CheckpointStore:
                     e,
                 )
                 continue
-            if config_hash is not None and ckpt.config_hash != config_hash:
+            newest = chain[-1]
+            if config_hash is not None and newest.config_hash != config_hash:
                 raise CheckpointError(
-                    f"partition {partition}: checkpoint {path} was written with config hash "
-                    f"{ckpt.config_hash}, this service has {config_hash}; move it away to start"
-                    " fresh"
+                    f"partition {partition}: checkpoint {newest.path} was written with config "
+                    f"hash {newest.config_hash}, this service has {config_hash}; move it away "
+                    "to start fresh"
                 )
-            return ckpt
+            return self._merge(chain)
         return None
 
-    def _load(self, partition: int, path: Path) -> PartitionCheckpoint:
+    def _load_chain(self, partition: int, name: str) -> list[_Loaded]:
+        """``name`` and its ancestors back to a full checkpoint, oldest first, all verified."""
+        chain: list[_Loaded] = []
+        cur: str | None = name
+        while cur is not None:
+            ck = self._load(partition, self._pdir(partition) / cur)
+            if chain and ck.seq >= chain[-1].seq:
+                raise CheckpointError(f"{cur} is not older than its child {chain[-1].path.name}")
+            if chain and ck.config_hash != chain[-1].config_hash:
+                raise CheckpointError(f"{cur} has another config hash than its child")
+            chain.append(ck)
+            cur = ck.parent
+        return chain[::-1]
+
+    def _merge(self, chain: list[_Loaded]) -> PartitionCheckpoint:
+        """Users of every checkpoint in the chain; a later checkpoint's state of a user wins."""
+        where: dict[str, tuple[int, int]] = {}
+        for ci, ck in enumerate(chain):
+            for row, user in enumerate(ck.user_ids):
+                where[user] = (ci, row)
+        users = list(where)
+        if len(chain) == 1:
+            state = chain[0].state
+        else:
+            state = self.layout.zeros(len(users))
+            for ci, ck in enumerate(chain):
+                pick = [(i, where[u][1]) for i, u in enumerate(users) if where[u][0] == ci]
+                if not pick:
+                    continue
+                dst = torch.tensor([i for i, _ in pick], dtype=torch.int64)
+                src = torch.tensor([r for _, r in pick], dtype=torch.int64)
+                for name in ("S", "M", "pos", "last_ts", "h"):
+                    to, frm = getattr(state, name), getattr(ck.state, name)
+                    if to is not None and frm is not None:
+                        to.index_copy_(0, dst, frm.index_select(0, src))
+        newest = chain[-1]
+        return PartitionCheckpoint(
+            partition=newest.partition,
+            next_offset=newest.next_offset,
+            user_ids=users,
+            state=state,
+            notes_parts=[(ck.user_ids, ck.notes) for ck in chain],
+            model_version=newest.model_version,
+            config_hash=newest.config_hash,
+            seq=newest.seq,
+            path=newest.path,
+            chain=[ck.path.name for ck in chain],
+        )
+
+    def _load(self, partition: int, path: Path) -> _Loaded:
         meta = json.loads((path / "meta.json").read_text())
         if meta.get("format") != FORMAT_VERSION:
             raise CheckpointError(f"unknown checkpoint format {meta.get('format')!r}")
@@ -274,7 +381,10 @@ class CheckpointStore:
                 for f, d in blobs.items()
                 if f.startswith("notes.")
             }
-        return PartitionCheckpoint(
+        parent = meta.get("parent")
+        if parent is not None and not (isinstance(parent, str) and _NAME_OK.match(parent)):
+            raise CheckpointError(f"bad parent name {parent!r}")
+        return _Loaded(
             partition=partition,
             next_offset=int(meta["next_offset"]),
             user_ids=list(user_ids),
@@ -284,4 +394,5 @@ class CheckpointStore:
             config_hash=str(meta["config_hash"]),
             seq=int(meta["seq"]),
             path=path,
+            parent=parent,
         )

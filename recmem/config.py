@@ -217,7 +217,11 @@ class CheckpointConfig:
     interval_s: float = 30.0
     """Seconds between checkpoints while ingesting."""
     keep: int = 3
-    """Complete checkpoints kept; older ones are removed."""
+    """Restore points kept per partition (with the older checkpoints their delta chains
+    need); older ones are removed."""
+    full_every: int = 8
+    """Every this many checkpoints of a partition one is full (all its users); the others are
+    deltas holding only the users changed since the previous one (0 or 1: always full)."""
 
 
 @dataclass

@@ -147,6 +147,8 @@ class Engine:
         self.config_hash = config_hash(cfg)
         self.partition_of: dict[str, int] = {}
         self._users_of: dict[int, set[str]] = {}
+        self._dirty: dict[int, set[str]] = {}
+        """Per partition: users whose state changed since :meth:`clear_dirty` (deltas)."""
         self.seconds: dict[str, float] = dict.fromkeys(
             ("group", "gather", "advance", "scatter", "archive", "user_steps"), 0.0
         )
@@ -174,6 +176,7 @@ class Engine:
             self._advance(batch, rows)
         for user, part in zip(batch.user_ids, batch.partitions):
             self._record(user, part)
+            self._dirty.setdefault(part, set()).add(user)
         return counts
 
     def _steps(self, lengths: np.ndarray) -> list[np.ndarray]:
@@ -242,6 +245,13 @@ class Engine:
         users = self.users_of(partition)
         return users, self.store.read(users)
 
+    def dirty_users(self, partition: int) -> list[str]:
+        """Users of ``partition`` changed since the last :meth:`clear_dirty` of it."""
+        return sorted(self._dirty.get(partition, ()))
+
+    def clear_dirty(self, partition: int) -> None:
+        self._dirty.pop(partition, None)
+
     def adopt(self, partition: int, user_ids: list[str], state: MemoryState) -> None:
         """Install restored states of a partition's users."""
         self.store.put(user_ids, state)
@@ -249,6 +259,7 @@ class Engine:
             self._record(user, partition)
 
     def drop_partition(self, partition: int) -> int:
+        self._dirty.pop(partition, None)
         users = self._users_of.pop(partition, set())
         for user in users:
             self.partition_of.pop(user, None)

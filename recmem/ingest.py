@@ -49,16 +49,21 @@ class IngestService:
         checkpoints: CheckpointStore,
         interval_s: float,
         clock: Callable[[], float] = time.monotonic,
+        full_every: int = 8,
     ) -> None:
         self.engine = engine
         self.checkpoints = checkpoints
         self.interval_s = interval_s
         self.clock = clock
+        self.full_every = full_every
+        """Every this many checkpoints of a partition one is full; 0 or 1: always full."""
         self.assigned: set[int] = set()
         self.next_offsets: dict[int, int] = {}
         """Per partition: the offset after the last record applied (state includes it)."""
         self.written: dict[int, int] = {}
         """Per partition: the next offset of its newest checkpoint."""
+        self._head: dict[int, tuple[str, int]] = {}
+        """Per partition: (name of the checkpoint the state continues, deltas since a full)."""
         self._last_checkpoint = clock()
         self.totals = IngestTotals()
 
@@ -83,15 +88,17 @@ class IngestService:
                     )
                 self.engine.adopt(p, ckpt.user_ids, ckpt.state)
                 if self.engine.archive is not None:
-                    self.engine.archive.import_notes(ckpt.user_ids, ckpt.notes)
+                    for users, notes in ckpt.notes_parts:
+                        self.engine.archive.import_notes(users, notes)
                 offsets[p] = ckpt.next_offset
                 self.written[p] = ckpt.next_offset
+                self._head[p] = (ckpt.path.name, len(ckpt.chain) - 1)
                 log.info(
                     "partition %d: restored %d users at offset %d from %s",
                     p,
                     len(ckpt.user_ids),
                     ckpt.next_offset,
-                    ckpt.path.name,
+                    " + ".join(ckpt.chain),
                 )
             self.next_offsets[p] = offsets[p]
             self.assigned.add(p)
@@ -125,17 +132,29 @@ class IngestService:
     # ---- internals ---------------------------------------------------------------------
 
     def _write(self, partitions: list[int]) -> None:
-        """Checkpoint each partition whose offset moved since its last checkpoint."""
+        """Checkpoint each partition whose offset moved since its last checkpoint: a delta of
+        the users changed since the previous checkpoint, or every user (full) when there is
+        none to build on, every ``full_every``-th time, or when most users changed."""
         for p in partitions:
             offset = self.next_offsets.get(p)
             if offset is None or self.written.get(p) == offset:
                 continue
             start = time.perf_counter()
-            users, state = self.engine.export_partition(p)
+            head = self._head.get(p)
+            changed = self.engine.dirty_users(p)
+            full = (
+                head is None
+                or head[1] + 1 >= self.full_every
+                or 2 * len(changed) > len(self.engine.users_of(p))
+            )
+            if full:
+                users, state = self.engine.export_partition(p)
+            else:
+                users, state = changed, self.engine.store.read(changed)
             notes = None
             if self.engine.archive is not None:
                 notes = self.engine.archive.export_notes(users)
-            self.checkpoints.write(
+            path = self.checkpoints.write(
                 p,
                 users,
                 state,
@@ -143,11 +162,20 @@ class IngestService:
                 model_version=self.engine.model_version,
                 config_hash=self.engine.config_hash,
                 notes=notes,
+                parent=None if full or head is None else head[0],
             )
+            self.engine.clear_dirty(p)
+            self._head[p] = (path.name, 0 if full or head is None else head[1] + 1)
             self.written[p] = offset
             self.totals.checkpoints += 1
             self.totals.checkpoint_seconds += time.perf_counter() - start
-            log.debug("partition %d: checkpoint of %d users at offset %d", p, len(users), offset)
+            log.debug(
+                "partition %d: %s checkpoint of %d users at offset %d",
+                p,
+                "full" if full else "delta",
+                len(users),
+                offset,
+            )
 
     def _forget(self, partitions: list[int]) -> None:
         for p in partitions:
@@ -158,6 +186,7 @@ class IngestService:
             self.assigned.discard(p)
             self.next_offsets.pop(p, None)
             self.written.pop(p, None)
+            self._head.pop(p, None)
 
 
 # ---- composition ---------------------------------------------------------------------
@@ -206,7 +235,9 @@ def build_service(
     engine = Engine(model, vocab, store, cfg, model_version=version)
     ckpt_root = Path(cfg.checkpoint.dir) / cfg.kafka.topic
     checkpoints = CheckpointStore(ckpt_root, layout, keep=cfg.checkpoint.keep)
-    return IngestService(engine, checkpoints, cfg.checkpoint.interval_s)
+    return IngestService(
+        engine, checkpoints, cfg.checkpoint.interval_s, full_every=cfg.checkpoint.full_every
+    )
 
 
 def _tier_count(store: UserStateStore, tier: str) -> float:

@@ -29,14 +29,15 @@ def test_round_trip_with_notes_and_keep(tmp_path):
     assert ckpt is not None
     assert ckpt.next_offset == 103 and ckpt.user_ids == users
     assert_state_equal(ckpt.state, st)
-    assert ckpt.notes is not None
-    assert set(ckpt.notes) == {"events", "addr"}
-    assert np.array_equal(ckpt.notes["events"], notes["events"])
-    assert ckpt.model_version == "m1"
+    [(note_users, got_notes)] = ckpt.notes_parts
+    assert note_users == users and got_notes is not None
+    assert set(got_notes) == {"events", "addr"}
+    assert np.array_equal(got_notes["events"], notes["events"])
+    assert ckpt.model_version == "m1" and ckpt.chain == [ckpt.path.name]
     assert len(list((tmp_path / "p-00003").glob("ckpt-*"))) == 2
     assert store.partitions() == [3, 7]
     assert store.latest_offset(7) == 9
-    assert store.restore(7).notes is None
+    assert store.restore(7).notes_parts == [(["u7-0", "u7-1"], None)]
     assert store.restore(5) is None and store.latest_offset(5) is None
 
 
@@ -108,3 +109,52 @@ def test_config_hash_mismatch_and_bad_inputs(tmp_path):
     assert store.restore(0).next_offset == 1
     manifest = json.loads((tmp_path / "p-00000" / "MANIFEST.json").read_text())
     assert len(manifest["checkpoints"]) == 1
+
+
+def test_delta_chain_merges_and_keeps_what_it_needs(tmp_path):
+    store = CheckpointStore(tmp_path, LAYOUT, keep=2)
+    gen = torch.Generator().manual_seed(3)
+    users = [f"u{i}" for i in range(6)]
+    truth = {}
+
+    def put(names, offset, parent):
+        st = random_state(LAYOUT, len(names), gen)
+        for i, u in enumerate(names):
+            truth[u] = st.index(slice(i, i + 1))
+        notes = {"n": np.array([offset])}
+        return store.write(
+            0, names, st, offset, model_version="m", config_hash="c", notes=notes, parent=parent
+        ).name
+
+    full = put(users, 10, None)
+    d1 = put(["u1", "u3"], 11, full)
+    d2 = put(["u3", "new"], 12, d1)
+    ckpt = store.restore(0)
+    assert ckpt.chain == [full, d1, d2] and ckpt.next_offset == 12
+    assert sorted(ckpt.user_ids) == sorted(users + ["new"])
+    for i, u in enumerate(ckpt.user_ids):
+        assert_state_equal(ckpt.state.index(slice(i, i + 1)), truth[u])
+    assert [int(n["n"][0]) for _, n in ckpt.notes_parts] == [10, 11, 12]
+    # keep=2 restore points (d2, d1) still need the full one
+    assert sorted(d.name for d in (tmp_path / "p-00000").glob("ckpt-*")) == [full, d1, d2]
+    full2 = put(users + ["new"], 13, None)
+    d3 = put(["u0"], 14, full2)
+    assert sorted(d.name for d in (tmp_path / "p-00000").glob("ckpt-*")) == [full2, d3]
+    assert store.restore(0).chain == [full2, d3]
+    with pytest.raises(ValueError, match="does not exist"):
+        put(["u0"], 15, full)
+
+
+def test_corrupted_delta_falls_back_to_an_intact_chain(tmp_path, caplog):
+    store = CheckpointStore(tmp_path, LAYOUT, keep=5)
+    users, st = write(store, 0, 3, offset=10, seed=0)
+    full = store.restore(0).path.name
+    st2 = random_state(LAYOUT, 1, torch.Generator().manual_seed(1))
+    d1 = store.write(0, users[:1], st2, 11, model_version="m1", config_hash="c1", parent=full)
+    store.write(0, users[1:2], st2, 12, model_version="m1", config_hash="c1", parent=d1.name)
+    (d1 / "users.json").write_bytes(b"[")
+    with caplog.at_level(logging.WARNING, logger="recmem.checkpoint"):
+        ckpt = store.restore(0)
+    assert ckpt.chain == [full] and ckpt.next_offset == 10
+    assert_state_equal(ckpt.state, st)
+    assert caplog.text.count("unusable") == 2

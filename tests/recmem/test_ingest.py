@@ -179,6 +179,49 @@ def stop_service(service: IngestService, consumer: EventConsumer, thread: thread
     service.engine.store.close()
 
 
+def test_service_writes_deltas_and_restores_them_bit_exact(tmp_path):
+    """No broker: the sink driven directly. First checkpoint full, then deltas of the users
+    that changed, a full one every ``full_every``; a new service restores the same states."""
+    from tests.recmem.test_engine import make_engine, random_events
+
+    events = random_events(400, 40, seed=7, n_partitions=2)
+    layout = StateLayout.from_config(small_config().memory, small_config().model)
+
+    def service(sub: str) -> IngestService:
+        engine = make_engine(tmp_path / sub)
+        return IngestService(engine, CheckpointStore(tmp_path / "ckpt", layout), 0.0, full_every=3)
+
+    a = service("a")
+    assert a.on_assigned([0, 1]) == {0: 0, 1: 0}
+    kinds = []
+    for k in range(0, 400, 20):
+        batch = events[k : k + 20]
+        a.apply_batch(batch, {p: k + 20 for p in (0, 1)})
+        offsets = a.checkpoint()
+        assert offsets == {0: k + 20, 1: k + 20}
+        kinds.append(checkpoints_kind(tmp_path / "ckpt", 0))
+    assert kinds[0] == "full" and "delta" in kinds
+    assert "delta" * 3 not in "".join(kinds)  # full_every=3: at most 2 deltas in a row
+    b = service("b")
+    assert b.on_assigned([0, 1]) == {0: 400, 1: 400}
+    for p in (0, 1):
+        users = a.engine.users_of(p)
+        assert b.engine.users_of(p) == users
+        got, want = b.engine.snapshot(users), a.engine.snapshot(users)
+        assert torch.equal(got.S, want.S) and torch.equal(got.M, want.M)
+        assert torch.equal(got.pos, want.pos) and torch.equal(got.h, want.h)
+    a.engine.store.close()
+    b.engine.store.close()
+
+
+def checkpoints_kind(root: Path, partition: int) -> str:
+    import json
+
+    pdir = root / f"p-{partition:05d}"
+    newest = json.loads((pdir / "MANIFEST.json").read_text())["checkpoints"][0]
+    return json.loads((pdir / newest / "meta.json").read_text())["kind"]
+
+
 def test_clean_stop_restores_and_continues(tmp_path, kafka_config):
     cfg = service_config(tmp_path, kafka_config(partitions=3))
     events = make_events(900, 40, seed=1)
