@@ -24,6 +24,7 @@ from recmem.config import Config
 from recmem.engine import Engine
 from recmem.state_store import StateLayout, UserStateStore
 from recmem.vocab import ItemVocab
+from streams.metrics import IngestMetrics
 from streams.validate import ValidEvent
 
 log = logging.getLogger(__name__)
@@ -244,6 +245,15 @@ def _tier_count(store: UserStateStore, tier: str) -> float:
     return float(store.tier_counts()[tier])
 
 
+def register_gauges(metrics: IngestMetrics, store: UserStateStore) -> None:
+    """Users resident per tier and bytes per user state, on the consumer's registry."""
+    resident = metrics.gauge("users_resident", "User states held, by tier", ["tier"])
+    for tier in ("device", "host", "disk"):
+        resident.labels(tier=tier).set_function(partial(_tier_count, store, tier))
+    per_user = metrics.gauge("bytes_per_user", "Bytes of one user's memory state")
+    per_user.set(store.bytes_per_user())
+
+
 def run_ingest(cfg: Config, *, init_model: bool = False) -> IngestTotals:
     """``recmem ingest``: consume until SIGTERM/SIGINT, then checkpoint, commit and leave."""
     from streams.consumer import EventConsumer
@@ -251,12 +261,7 @@ def run_ingest(cfg: Config, *, init_model: bool = False) -> IngestTotals:
     service = build_service(cfg, init_model=init_model)
     consumer = EventConsumer(cfg.kafka, service)
     store = service.engine.store
-    resident = consumer.metrics.gauge("users_resident", "User states held, by tier", ["tier"])
-    per_user = consumer.metrics.gauge("bytes_per_user", "Bytes of one user's memory state")
-    per_user.set(store.bytes_per_user())
-
-    for tier in ("device", "host", "disk"):
-        resident.labels(tier=tier).set_function(partial(_tier_count, store, tier))
+    register_gauges(consumer.metrics, store)
     consumer.install_signal_handlers()
     log.info(
         "ingesting %s (group %s) on %s; %d bytes per user state",

@@ -22,7 +22,7 @@ from models.recommender import MemoryRecommender
 from recmem.checkpoint import CheckpointStore
 from recmem.config import Config
 from recmem.engine import Engine
-from recmem.ingest import IngestService, build_service
+from recmem.ingest import IngestService, build_service, register_gauges
 from recmem.modelstore import load_model, save_model
 from recmem.state_store import StateLayout, UserStateStore
 from recmem.vocab import ItemVocab
@@ -167,6 +167,7 @@ def assert_checkpoints_equal_clean_pass(cfg: Config, events, tmp_path: Path) -> 
 def start_service(cfg: Config) -> tuple[IngestService, EventConsumer, threading.Thread]:
     service = build_service(cfg, device="cpu")
     consumer = EventConsumer(cfg.kafka, service)
+    register_gauges(consumer.metrics, service.engine.store)
     thread = threading.Thread(target=consumer.run, daemon=True)
     thread.start()
     return service, consumer, thread
@@ -230,6 +231,16 @@ def test_clean_stop_restores_and_continues(tmp_path, kafka_config):
     service, consumer, thread = start_service(cfg)
     wait_until(lambda: caught_up(cfg, ends), 60, "checkpoints at the end offsets")
     assert service.totals.events == 600
+    registry = consumer.metrics.registry
+    resident = {
+        tier: registry.get_sample_value("recmem_ingest_users_resident", {"tier": tier})
+        for tier in ("device", "host", "disk")
+    }
+    assert resident["device"] <= 48  # state.device_capacity
+    assert sum(resident.values()) == len({e.user_id for e in events[:600]})
+    assert registry.get_sample_value("recmem_ingest_bytes_per_user") == (
+        service.engine.store.bytes_per_user()
+    )
     stop_service(service, consumer, thread)
     first = {p: checkpoints_of(cfg).restore(p) for p in range(3)}
 
