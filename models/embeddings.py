@@ -4,8 +4,10 @@ The tables live in a torchrec ``EmbeddingCollection`` and are looked up on a
 ``KeyedJaggedTensor`` of per-user event lists (features item/action/gap). A padded path
 does the same lookups with ``F.embedding`` on the same weight tensors and gives identical
 numbers; it is used where the KJT path is not available (torchrec missing, or its jagged
-ops lacking kernels for the device, as with the CPU-only fbgemm on CUDA tensors) and on the
-engine's hot path. If torchrec cannot be imported, a plain module with the same attribute
+ops lacking kernels for the device) and on the engine's hot path. With the CPU-only
+fbgemm (fbgemm-gpu-cpu) the KJT path cannot run on CUDA tensors: ``KeyedJaggedTensor.to_dict``
+calls ``fbgemm::asynchronous_complete_cumsum``, which has CPU and Meta kernels only;
+``kjt_available`` probes this once per device. If torchrec cannot be imported, a plain module with the same attribute
 layout holds the tables, so checkpoints load either way.
 """
 

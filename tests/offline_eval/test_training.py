@@ -110,3 +110,13 @@ def test_demo_preset_keeps_user_choices() -> None:
     assert cfg.memory.value_dim == 32 and cfg.train.max_seconds > 0
     assert cfg.memory.backend == "recurrent"
     assert torch.device(cfg.train.device).type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "path", sorted(Path(__file__).parents[2].joinpath("configs").glob("*.toml"))
+)
+def test_example_configs_load(path: Path) -> None:
+    from recmem.config import load_config
+
+    cfg = load_config(path, environ={})
+    assert cfg.train.epochs >= 1 and cfg.memory.n_blocks >= 1
