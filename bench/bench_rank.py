@@ -146,8 +146,9 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    threads = args.threads if args.threads is not None else (1 if device == "cpu" else 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     cfg = Config()
     cfg.server.port = 0
@@ -284,9 +285,9 @@ def main() -> None:
     ap.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="torch intra-op threads in the server (0 = torch default); on a small shared "
-        "CPU one thread avoids OpenMP stalls",
+        default=None,
+        help="torch intra-op threads in the server (0 = torch default; default: 1 on the "
+        "CPU, where one thread avoids OpenMP stalls on a small shared machine, else 0)",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     args = ap.parse_args()
