@@ -61,7 +61,7 @@ def git_commit() -> str:
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("GIT_COMMIT", "unknown")  # e.g. a copy without .git
 
 
 # ---- server process ----------------------------------------------------------------------

@@ -261,7 +261,10 @@ class ServerConfig:
     max_context_events: int = 256
     """Most context events in one request."""
     batch_window_ms: float = 2.0
-    """Micro-batching window for concurrent requests."""
+    """Micro-batching window for concurrent requests: the longest a request waits for others."""
+    adaptive_window: bool = True
+    """Wait the window only under concurrency (the previous micro-batch had more than one
+    request, or more are queued); a lone request under light load runs at once."""
     max_batch: int = 64
     """Most requests in one engine step."""
     tls_cert: str = ""

@@ -67,7 +67,10 @@ class RankServer:
             return ranker.rank(queries)
 
         self.batcher: MicroBatcher[RankQuery, RankResult] = MicroBatcher(
-            run_batch, window_ms=s.batch_window_ms, max_batch=s.max_batch
+            run_batch,
+            window_ms=s.batch_window_ms,
+            max_batch=s.max_batch,
+            adaptive=s.adaptive_window,
         )
         interceptors = [BearerTokenInterceptor(s.auth_token)] if s.auth_token else []
         self.server = grpc.server(

@@ -2,7 +2,10 @@
 front-end threads, one engine step per batch).
 
 A request waits at most ``window_ms`` after the first request of its batch arrived, and a
-batch holds at most ``max_batch`` requests. The worker calls ``handler(items)`` once per
+batch holds at most ``max_batch`` requests. With ``adaptive`` the window is only waited
+when the previous batch had more than one request or more are already queued: a lone
+request under light load runs at once, and under concurrency the requests that arrive
+while a batch runs form the next one. The worker calls ``handler(items)`` once per
 batch; the handler returns one result per item, in order. An exception in the handler
 fails every request of that batch (never the worker).
 """
@@ -36,6 +39,7 @@ class MicroBatcher(Generic[T, R]):
         window_ms: float,
         max_batch: int,
         name: str = "rank-batcher",
+        adaptive: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -44,6 +48,8 @@ class MicroBatcher(Generic[T, R]):
         self._handler = handler
         self._window_s = window_ms / 1000.0
         self._max_batch = max_batch
+        self._adaptive = adaptive
+        self._last_size = 0
         self._queue: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
         self._accepting = True
@@ -77,7 +83,10 @@ class MicroBatcher(Generic[T, R]):
     def _collect(self, first: object) -> tuple[list[tuple[T, Future[R]]], bool]:
         batch = [first]  # type: ignore[list-item]
         stop = False
-        deadline = time.monotonic() + self._window_s
+        wait = self._window_s
+        if self._adaptive and self._last_size <= 1 and self._queue.empty():
+            wait = 0.0
+        deadline = time.monotonic() + wait
         while len(batch) < self._max_batch:
             remaining = deadline - time.monotonic()
             try:
@@ -101,6 +110,7 @@ class MicroBatcher(Generic[T, R]):
             if first is _STOP:
                 break
             batch, stop = self._collect(first)
+            self._last_size = len(batch)
             live = [(item, fut) for item, fut in batch if fut.set_running_or_notify_cancel()]
             if not live:
                 continue

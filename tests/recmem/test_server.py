@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.recmem.v1 import event_pb2, rank_pb2, rank_pb2_grpc
 from recmem.server import RankServer
+from recmem.server.batcher import BatcherStopped, MicroBatcher
 from tests.recmem.rank_env import N_ITEMS, RankEnv, make_env
 
 TIMEOUT = 20.0
@@ -228,8 +229,12 @@ def test_health_serving_and_reflection_lists_service(channel: grpc.Channel) -> N
 
 def test_concurrent_requests_are_micro_batched(env: RankEnv) -> None:
     env.cfg.server.batch_window_ms = 300.0
-    srv = start(env)
-    env.cfg.server.batch_window_ms = 2.0
+    env.cfg.server.adaptive_window = False
+    try:
+        srv = start(env)
+    finally:
+        env.cfg.server.batch_window_ms = 2.0
+        env.cfg.server.adaptive_window = True
     try:
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             stub = rank_pb2_grpc.RecMemStub(ch)
@@ -468,3 +473,31 @@ def test_recent_events_travel_with_the_checkpoint(env: RankEnv) -> None:
             assert np.array_equal(a, b)
     with pytest.raises(ValueError, match="users restored"):
         fresh.import_notes(users[:2], exported)
+
+
+def test_batcher_adaptive_window_runs_a_lone_request_at_once() -> None:
+    batcher: MicroBatcher[int, int] = MicroBatcher(
+        lambda xs: [2 * x for x in xs], window_ms=60_000, max_batch=8, adaptive=True
+    )
+    try:
+        assert batcher.submit(3).result(timeout=10) == 6  # a 60 s window was not waited
+        assert batcher.batches == 1
+    finally:
+        batcher.stop()
+
+
+def test_batcher_failure_fails_its_batch_not_the_worker() -> None:
+    def handler(xs: list[int]) -> list[int]:
+        if 0 in xs:
+            raise ZeroDivisionError("bad item")
+        return [10 // x for x in xs]
+
+    batcher: MicroBatcher[int, int] = MicroBatcher(handler, window_ms=0, max_batch=4)
+    try:
+        with pytest.raises(ZeroDivisionError):
+            batcher.submit(0).result(timeout=10)
+        assert batcher.submit(5).result(timeout=10) == 2
+    finally:
+        batcher.stop()
+    with pytest.raises(BatcherStopped):
+        batcher.submit(1)
