@@ -10,6 +10,8 @@ event is applied exactly once. ``run_ingest`` is what ``recmem ingest`` runs.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -190,6 +192,70 @@ class IngestService:
             self._head.pop(p, None)
 
 
+class PipelinedSink:
+    """A BatchSink that applies each batch on a worker thread, so that the consumer fetches
+    and decodes the next batch while the engine runs this one (the engine's tensor work
+    releases the GIL). At most one batch waits while one is applied. Every other call
+    (checkpoint, rebalance, stop) first waits until all handed-over batches are applied, so
+    a checkpoint still holds exactly the effects of the offsets it writes. An error in the
+    worker is raised by the next call. Callers that guard ``Engine.apply`` with a lock of
+    their own (the rank server) use the plain :class:`IngestService` instead."""
+
+    def __init__(self, inner: IngestService) -> None:
+        self.inner = inner
+        self._queue: queue.Queue[tuple[list[ValidEvent], dict[int, int]] | None] = queue.Queue(1)
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._run, name="ingest-apply", daemon=True)
+        self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    self.inner.apply_batch(*item)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer's thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every handed-over batch is applied; raise the worker's error if any."""
+        self._queue.join()
+        if self._error is not None:
+            raise RuntimeError(f"applying a batch failed: {self._error!r}") from self._error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._worker.join(timeout=60)
+
+    def apply_batch(self, events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
+        if self._error is not None:
+            self.drain()
+        self._queue.put((events, next_offsets))
+
+    def on_assigned(self, partitions: list[int]) -> dict[int, int]:
+        self.drain()
+        return self.inner.on_assigned(partitions)
+
+    def on_revoked(self, partitions: list[int]) -> None:
+        self.drain()
+        self.inner.on_revoked(partitions)
+
+    def on_lost(self, partitions: list[int]) -> None:
+        self.drain()
+        self.inner.on_lost(partitions)
+
+    def checkpoint_due(self) -> bool:
+        return self.inner.checkpoint_due()
+
+    def checkpoint(self) -> dict[int, int]:
+        self.drain()
+        return self.inner.checkpoint()
+
+
 # ---- composition ---------------------------------------------------------------------
 
 
@@ -259,7 +325,8 @@ def run_ingest(cfg: Config, *, init_model: bool = False) -> IngestTotals:
     from streams.consumer import EventConsumer
 
     service = build_service(cfg, init_model=init_model)
-    consumer = EventConsumer(cfg.kafka, service)
+    sink = PipelinedSink(service)
+    consumer = EventConsumer(cfg.kafka, sink)
     store = service.engine.store
     register_gauges(consumer.metrics, store)
     consumer.install_signal_handlers()
@@ -273,6 +340,7 @@ def run_ingest(cfg: Config, *, init_model: bool = False) -> IngestTotals:
     try:
         consumer.run()
     finally:
+        sink.close()
         store.close()
     t = service.totals
     log.info(

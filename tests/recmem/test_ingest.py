@@ -22,7 +22,7 @@ from models.recommender import MemoryRecommender
 from recmem.checkpoint import CheckpointStore
 from recmem.config import Config
 from recmem.engine import Engine
-from recmem.ingest import IngestService, build_service, register_gauges
+from recmem.ingest import IngestService, PipelinedSink, build_service, register_gauges
 from recmem.modelstore import load_model, save_model
 from recmem.state_store import StateLayout, UserStateStore
 from recmem.vocab import ItemVocab
@@ -164,9 +164,12 @@ def assert_checkpoints_equal_clean_pass(cfg: Config, events, tmp_path: Path) -> 
     assert seen == set(counts)
 
 
-def start_service(cfg: Config) -> tuple[IngestService, EventConsumer, threading.Thread]:
+def start_service(
+    cfg: Config, pipelined: bool = False
+) -> tuple[IngestService, EventConsumer, threading.Thread]:
     service = build_service(cfg, device="cpu")
-    consumer = EventConsumer(cfg.kafka, service)
+    sink = PipelinedSink(service) if pipelined else service
+    consumer = EventConsumer(cfg.kafka, sink)
     register_gauges(consumer.metrics, service.engine.store)
     thread = threading.Thread(target=consumer.run, daemon=True)
     thread.start()
@@ -177,6 +180,8 @@ def stop_service(service: IngestService, consumer: EventConsumer, thread: thread
     consumer.stop()
     thread.join(timeout=30)
     assert not thread.is_alive()
+    if isinstance(consumer.sink, PipelinedSink):
+        consumer.sink.close()
     service.engine.store.close()
 
 
@@ -259,9 +264,10 @@ def test_rebalance_across_two_services(tmp_path, kafka_config):
     cfg = service_config(tmp_path, kafka_config(partitions=4))
     events = make_events(1200, 60, seed=3)
     ends = send_with_bad(cfg, events[:500], seed=3, n_bad=6)
-    a = start_service(cfg)
+    a = start_service(cfg, pipelined=True)
     wait_until(lambda: a[0].totals.events >= 500, 60, "service A to apply 500 events")
-    b = start_service(cfg)  # joins the group: A's revoked partitions move to B via checkpoints
+    # B joins the group: A's revoked partitions move to B through their checkpoints
+    b = start_service(cfg, pipelined=True)
     wait_until(lambda: a[0].assigned and b[0].assigned, 60, "both services to own partitions")
     assert not a[0].assigned & b[0].assigned
     send_with_bad(cfg, events[500:], seed=4, n_bad=6, ends=ends)
@@ -315,3 +321,36 @@ def test_crash_kill9_restart_equals_clean_pass(tmp_path, kafka_config):
     assert kills == 3
     assert rc == 0, log_path.read_text()[-3000:]
     assert_checkpoints_equal_clean_pass(cfg, events, tmp_path)
+
+
+def test_pipelined_sink_applies_in_order_and_reports_worker_errors(tmp_path):
+    from tests.recmem.test_engine import make_engine, random_events
+
+    layout = StateLayout.from_config(small_config().memory, small_config().model)
+    plain = IngestService(make_engine(tmp_path / "a"), CheckpointStore(tmp_path / "c1", layout), 0)
+    piped = IngestService(make_engine(tmp_path / "b"), CheckpointStore(tmp_path / "c2", layout), 0)
+    sink = PipelinedSink(piped)
+    plain.on_assigned([0, 1, 2])
+    sink.on_assigned([0, 1, 2])
+    events = random_events(300, 30, seed=9)
+    for k in range(0, 300, 30):
+        plain.apply_batch(events[k : k + 30], {0: k + 30})
+        sink.apply_batch(events[k : k + 30], {0: k + 30})
+    assert sink.checkpoint() == plain.checkpoint()  # drained first: same offsets and states
+    users = sorted(plain.engine.partition_of)
+    assert torch.equal(plain.engine.snapshot(users).S, piped.engine.snapshot(users).S)
+
+    class Broken(IngestService):
+        def apply_batch(self, events, next_offsets):
+            raise OSError("disk on fire")
+
+    broken = PipelinedSink(
+        Broken(make_engine(tmp_path / "d"), CheckpointStore(tmp_path / "c3", layout), 0)
+    )
+    broken.apply_batch(events[:5], {0: 5})
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        broken.checkpoint()
+    for s in (sink, broken):
+        s.close()
+    for svc in (plain, piped, broken.inner):
+        svc.engine.store.close()
