@@ -224,6 +224,7 @@ def main() -> None:
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
         + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "load_average_1_5_15m_at_end": [round(x, 2) for x in os.getloadavg()],
         "commit": git_commit(),
         "command": " ".join([".venv/bin/python", "bench/bench_ingest.py", *sys.argv[1:]]),
         "dataset": args.events_npz or args.dataset,
