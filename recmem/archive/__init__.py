@@ -3,7 +3,8 @@ ingest, addressed with the model's own query features, routed at rank time for r
 
 ``bank`` (NoteBank: write path, route, persistence), ``selection`` (span scoring, pure),
 ``index`` (per-user FAISS address index), ``store`` (notes and open chunks), ``persist``
-(flat-array checkpoint form). Design notes: docs/archive.md.
+(flat-array checkpoint form), ``tuning`` (evidence recall for choosing the defaults).
+Design notes and measurements: docs/archive.md.
 """
 
 from recmem.archive.bank import NoteBank, check_archive_config
