@@ -61,6 +61,24 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_train_config(tcfg: TrainConfig) -> None:
+    """Reject settings the loops cannot run with, naming the field."""
+    checks = [
+        (tcfg.epochs >= 1, "train.epochs must be >= 1"),
+        (tcfg.batch_size >= 1, "train.batch_size must be >= 1"),
+        (tcfg.segment_len >= 1, "train.segment_len must be >= 1"),
+        (tcfg.lr > 0, "train.lr must be > 0"),
+        (tcfg.patience >= 1, "train.patience must be >= 1"),
+        (tcfg.eval_every >= 1, "train.eval_every must be >= 1"),
+        (tcfg.n_negatives >= 1, "train.n_negatives must be >= 1"),
+        (tcfg.proteus_ffn_horizon >= 1, "train.proteus_ffn_horizon must be >= 1"),
+        (tcfg.loss in ("full", "sampled"), "train.loss must be full or sampled"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % (2**32))
@@ -76,6 +94,7 @@ def fit(
     """Epoch loop: train, validate every ``eval_every`` epochs, keep the best weights (by
     ``early_stop_metric``), stop after ``patience`` validations without improvement or
     after ``max_seconds``. The model ends holding the best weights."""
+    check_train_config(tcfg)
     result = TrainResult()
     best_state: dict[str, torch.Tensor] | None = None
     best_score = -math.inf

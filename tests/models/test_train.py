@@ -152,3 +152,12 @@ def test_proteus_update_mask_schedule() -> None:
         opened.append(int((p.detach() != 0).sum()))
         assert torch.all(optim.state[p]["exp_avg"][opened[-1] :] == 0)
     assert opened == [5, 5, 10, 10]
+
+
+def test_bad_train_settings_are_rejected() -> None:
+    cfg = tiny_config(segment_len=0)
+    seqs = cyclic_seqs(n_users=4, n_items=N_ITEMS, max_len=6)
+    with pytest.raises(ValueError, match="segment_len"):
+        train_memory_model(make_model(cfg), seqs, cfg.train)
+    with pytest.raises(ValueError, match="lengths"):
+        train_memory_model(make_model(tiny_config()), seqs, tiny_config().train, np.ones(3))
