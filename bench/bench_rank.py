@@ -152,7 +152,7 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
     torch.manual_seed(0)
     cfg = Config()
     cfg.server.port = 0
-    cfg.state.device_capacity = max(cfg.state.device_capacity, args.users)
+    cfg.state.device_capacity = args.users  # the default slab (65536 users) is ~17 GB
     cfg.state.spill_dir = args.spill_dir
     vocab = ItemVocab([f"item{i}" for i in range(args.items)], cfg.model.n_oov_buckets)
     model = MemoryRecommender(args.items, cfg.model.n_oov_buckets, cfg.memory, cfg.model)
