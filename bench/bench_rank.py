@@ -64,6 +64,16 @@ def git_commit() -> str:
         return os.environ.get("GIT_COMMIT", "unknown")  # e.g. a copy without .git
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 # ---- server process ----------------------------------------------------------------------
 
 
@@ -185,7 +195,7 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
             "memory_port": memory_server.port,
             "sasrec_port": sas_server.port,
             "device": device,
-            "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
+            "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else cpu_name(),
             "torch_threads": torch.get_num_threads(),
             "ingest": {"events": n_events, "seconds": ingest_s, "notes": notes},
             "config": {
