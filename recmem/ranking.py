@@ -292,7 +292,7 @@ class Ranker:
         if q.candidates is None:
             idx = self._by_popularity[: q.k]
         else:
-            order = np.argsort(-self.popularity[q.candidates], kind="stable")
+            order = np.lexsort((q.candidates, -self.popularity[q.candidates]))
             idx = q.candidates[order[: q.k]]
         return idx.astype(np.int64), self.popularity[idx]
 

@@ -152,6 +152,10 @@ def test_cold_start_is_train_popularity_and_context_only_otherwise(env: RankEnv)
     assert not ctx_only.cold_start and ctx_only.context_applied == 3
     (replayed,) = env.stack.ranker.rank([RankQuery("new-user", k=4, replay_notes=3)])
     assert replayed.cold_start and replayed.notes_replayed == 0
+    cands = np.array([40, 5, 17, 3, 22, 59], dtype=np.int64)
+    (among,) = env.stack.ranker.rank([RankQuery("new-user", k=3, candidates=cands)])
+    expected = sorted(cands.tolist(), key=lambda i: (-env.popularity[i], i))[:3]
+    assert among.cold_start and among.items.tolist() == expected
 
 
 def test_train_popularity_ignores_oov_indices() -> None:
