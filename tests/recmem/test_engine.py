@@ -20,6 +20,7 @@ def small_config() -> Config:
     cfg.memory.horizon = 8
     cfg.model.embed_dim = 16
     cfg.model.n_oov_buckets = 8
+    cfg.archive.address_dim = 4  # <= key_dim
     cfg.state.device_capacity = 64
     cfg.state.host_capacity = 64
     return cfg

@@ -277,6 +277,15 @@ def test_rebalance_across_two_services(tmp_path, kafka_config):
     assert_checkpoints_equal_clean_pass(cfg, events, tmp_path)
 
 
+def alive(proc: subprocess.Popen, log_path: Path) -> bool:
+    """True while ``proc`` runs; a process that exited on its own fails the test at once."""
+    if proc.poll() is not None:
+        raise AssertionError(
+            f"recmem ingest exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+        )
+    return True
+
+
 @pytest.mark.slow
 def test_crash_kill9_restart_equals_clean_pass(tmp_path, kafka_config):
     cfg = service_config(tmp_path, kafka_config(partitions=4))
@@ -304,7 +313,11 @@ def test_crash_kill9_restart_equals_clean_pass(tmp_path, kafka_config):
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
             try:
                 # kill only once this process has made progress, at a random moment after
-                wait_until(lambda b=before: progress() > b, 60, "checkpoint progress")
+                wait_until(
+                    lambda b=before, p=proc: alive(p, log_path) and progress() > b,
+                    60,
+                    "checkpoint progress",
+                )
                 time.sleep(rng.uniform(0.0, 0.8))
             finally:
                 proc.send_signal(signal.SIGKILL)
@@ -314,7 +327,11 @@ def test_crash_kill9_restart_equals_clean_pass(tmp_path, kafka_config):
         assert not producer.is_alive()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
         try:
-            wait_until(lambda: caught_up(cfg, ends), 90, "checkpoints at the end offsets")
+            wait_until(
+                lambda: alive(proc, log_path) and caught_up(cfg, ends),
+                90,
+                "checkpoints at the end offsets",
+            )
         finally:
             proc.send_signal(signal.SIGTERM)
             rc = proc.wait(timeout=30)
