@@ -48,17 +48,14 @@ def _cmd_train(args: argparse.Namespace, cfg: Config) -> int:
 
 def _cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
     from offline_eval.training import apply_demo_preset, run_train
+    from recmem.demo import format_demo, run_demo
 
+    if not args.verbose:  # kafka-python logs every connection at INFO
+        logging.getLogger("kafka").setLevel(logging.WARNING)
     apply_demo_preset(cfg)
-    out = Path(args.out)
-    metrics = run_train(cfg, out)
-    best = metrics.get("best_valid", {})
-    print(f"\nrecmem demo: small memory model on {metrics['dataset']} (strict global time split)")
-    print(f"  trained {len(metrics['history'])} epochs in {metrics['train_seconds']:.0f} s")
-    for key in ("hr@10", "ndcg@10", "mrr@10", "hr@50"):
-        if key in best:
-            print(f"  VALID {key:8s} {best[key]:.4f}")
-    print(f"  checkpoint: {out}")
+    result = run_demo(cfg, Path(args.out), run_train, n_users=args.users, k=args.k)
+    print(format_demo(result, cfg.data.dataset))
+    print(f"\nmodel and metrics.json in {args.out}; processes and temporary files cleaned up")
     return 0
 
 
@@ -248,15 +245,21 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--out", default="runs/demo-model", help="where the demo model is written"
             )
+            p.add_argument("--users", type=int, default=3, help="users to rank for (1-3)")
+            p.add_argument("--k", type=int, default=10, help="items per ranking")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Our own packages report progress at INFO; libraries (fbgemm, faiss, kafka) stay quiet
+    # unless -v.
+    for name in ("recmem", "streams", "models", "offline_eval"):
+        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         cfg = load_config(args.config, args.set)
     except ConfigError as e:
