@@ -239,7 +239,8 @@ class ArchiveConfig:
     session_gap_s: float = 3600.0
     """A gap longer than this bounds a span (0 disables)."""
     address_dim: int = 32
-    """d_rho: address dimensions (a fixed random coordinate selection of q)."""
+    """d_rho: address dimensions (a fixed random coordinate selection of q); capped at the
+    model's key_dim."""
     notes_per_user: int = 256
     """Per-user cap; the oldest notes are evicted."""
     replay_notes: int = 4

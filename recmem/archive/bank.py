@@ -78,7 +78,8 @@ class NoteBank:
         self.cfg = cfg
         self.key_dim = key_dim
         self.n_channels = n_channels
-        self.coords = address_coords(key_dim, cfg.address_dim, seed)
+        # d_rho cannot exceed K: a small model selects all of its key coordinates.
+        self.coords = address_coords(key_dim, min(cfg.address_dim, key_dim), seed)
         self._gpu = gpu_resources(use_gpu)
         if self._gpu is not None and cfg.notes_per_user * n_channels > GPU_MAX_K:
             log.warning(
@@ -250,8 +251,9 @@ class NoteBank:
         """Top-``r`` notes for queries q~ [n, C_ch, K] (or [n, L, H, K], or one position
         [C_ch, K]); see ``route_addresses``."""
         arr = _numpy(q, np.float32)
-        merge_lh = arr.ndim >= 3 and arr.shape[-2] != self.n_channels
-        if merge_lh and arr.shape[-3] * arr.shape[-2] == self.n_channels:  # [..., L, H, K]
+        # [n, L, H, K] always merges (L, H); a 3-d [L, H, K] only when it cannot be [n, C_ch, K]
+        merge_lh = arr.ndim == 4 or (arr.ndim == 3 and arr.shape[-2] != self.n_channels)
+        if merge_lh and arr.shape[-3] * arr.shape[-2] == self.n_channels:
             arr = arr.reshape(*arr.shape[:-3], self.n_channels, arr.shape[-1])
         if arr.ndim not in (2, 3) or arr.shape[-2] != self.n_channels:
             raise ValueError(

@@ -114,6 +114,8 @@ def test_route_returns_planted_note_for_its_address():
     assert [n.serial for n in bank.route("a", torch.from_numpy(q).view(L, H, K), r=1)] == [
         target.serial
     ]
+    # a one-layer model whose head count equals C_ch: [n, 1, C_ch, K] is [n, L, H, K]
+    assert [n.serial for n in bank.route("a", q.reshape(1, 1, CH, K), r=1)] == [target.serial]
 
 
 def test_votes_top_r_and_chronological_order():
@@ -273,8 +275,8 @@ def test_bad_input_is_rejected_without_changing_state():
         bank.route_addresses("a", np.zeros((1, CH, 3)))
     with pytest.raises(ValueError, match="window"):
         NoteBank(small_cfg(window=100), K, CH)
-    with pytest.raises(ValueError, match="address_dim"):
-        NoteBank(small_cfg(address_dim=K + 1), K, CH)
+    # d_rho above K selects every key coordinate instead of failing
+    assert len(NoteBank(small_cfg(address_dim=K + 1), K, CH).coords) == K
     assert bank.pending_count("a") == 10
 
 
