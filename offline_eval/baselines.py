@@ -15,13 +15,18 @@ from models.sequences import EventSeqs
 from offline_eval.split import TimeSplit
 
 
+def train_popularity(split: TimeSplit) -> np.ndarray:
+    """[n_items] TRAIN interaction count of every vocabulary item."""
+    seqs = split.seqs
+    train_items = seqs.items[(seqs.part == 0) & (seqs.items < split.n_items)]
+    return np.bincount(train_items, minlength=split.n_items).astype(np.float64)
+
+
 class PopScorer:
     """Same ranking for every user: TRAIN popularity."""
 
     def __init__(self, split: TimeSplit) -> None:
-        seqs = split.seqs
-        train_items = seqs.items[(seqs.part == 0) & (seqs.items < split.n_items)]
-        counts = np.bincount(train_items, minlength=split.n_items).astype(np.float64)
+        counts = train_popularity(split)
         self.counts = counts
         n = max(1, split.n_items)
         min_gap = np.log1p(counts.max() + 1.0) - np.log1p(counts.max()) if counts.size else 1.0

@@ -17,11 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from models.recommender import MemoryRecommender
 from models.sasrec import SASRec, SASRecConfig, train_sasrec
 from models.train import TrainResult, pick_device, seed_everything, train_memory_model
+from offline_eval.baselines import train_popularity
 from offline_eval.evaluate import evaluate
 from offline_eval.split import TimeSplit, load_or_build_split
 from recmem.config import Config, set_value
@@ -155,7 +157,10 @@ def run_train(cfg: Config, out_dir: str | os.PathLike[str], kind: str = "memory"
         device,
     )
     model, result = train_on_split(split, cfg, kind)
-    path = save_model(out, model, split.vocab, cfg, {"split": summary, "kind": kind})
+    # TRAIN popularity rides along for the rank service's cold-start answers.
+    popularity = train_popularity(split).astype(np.int64).tolist()
+    extra = {"split": summary, "kind": kind, "popularity": popularity}
+    path = save_model(out, model, split.vocab, cfg, extra)
     metrics: dict[str, Any] = {
         "dataset": split.dataset,
         "model": kind,
