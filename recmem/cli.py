@@ -164,7 +164,11 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recmem", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="recmem",
+        description="recmem: streaming per-user recommender memory (train, eval, ingest, serve, demo).",
+        epilog="Every subcommand takes --config FILE and --set section.field=value; see recmem config --docs.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, _) in COMMANDS.items():
