@@ -2,7 +2,9 @@
 
 - ``sasrec``: our SASRec (max length 200, full-catalog cross-entropy);
 - ``memory-static``: the memory recommender with E = 1 (static capacity);
-- ``memory-proteus``: the memory recommender with the configured E and N.
+- ``memory-proteus``: the memory recommender with the configured E and N;
+- ``memory-proteus-notebank``: the same training, evaluated with NoteBank replay
+  (offline_eval.notebank_eval).
 
 Each factory trains on the split's TRAIN prefixes with early stopping on VALID NDCG@10 and
 returns (scorer, train_seconds, config); the config records the settings and the training
@@ -15,9 +17,11 @@ import copy
 import dataclasses
 from typing import Any
 
+from models.recommender import MemoryRecommender
 from models.sasrec import SASRec
 from models.train import TrainResult
 from offline_eval.evaluate import Scorer
+from offline_eval.notebank_eval import NotebankScorer
 from offline_eval.runner import register_model
 from offline_eval.split import TimeSplit
 from offline_eval.training import train_on_split
@@ -54,11 +58,45 @@ def make_memory_static(split: TimeSplit, cfg: Config) -> tuple[Scorer, float, di
     return model, result.train_seconds, _describe("memory", cfg, result)
 
 
-def make_memory_proteus(split: TimeSplit, cfg: Config) -> tuple[Scorer, float, dict[str, Any]]:
+_last_memory: tuple[tuple[int, str], MemoryRecommender | SASRec, TrainResult] | None = None
+"""The latest memory-proteus training (split id, training settings): memory-proteus and
+memory-proteus-notebank of one ``recmem eval`` share it, so replay is compared on the same
+weights (and trained once)."""
+
+
+def _train_memory_proteus(
+    split: TimeSplit, cfg: Config
+) -> tuple[MemoryRecommender | SASRec, TrainResult, bool]:
+    global _last_memory
+    sections = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("memory", "model", "train")}
+    key = (id(split), repr(sorted(sections.items())))
+    if _last_memory is not None and _last_memory[0] == key:
+        return _last_memory[1], _last_memory[2], True
     model, result = train_on_split(split, cfg, "memory")
-    return model, result.train_seconds, _describe("memory", cfg, result)
+    _last_memory = (key, model, result)
+    return model, result, False
+
+
+def make_memory_proteus(split: TimeSplit, cfg: Config) -> tuple[Scorer, float, dict[str, Any]]:
+    model, result, shared = _train_memory_proteus(split, cfg)
+    info = _describe("memory", cfg, result)
+    info["reused_training"] = shared
+    return model, result.train_seconds, info
+
+
+def make_memory_proteus_notebank(
+    split: TimeSplit, cfg: Config
+) -> tuple[Scorer, float, dict[str, Any]]:
+    model, result, shared = _train_memory_proteus(split, cfg)
+    assert isinstance(model, MemoryRecommender)
+    scorer = NotebankScorer(model, cfg, split.vocab)
+    info = _describe("memory", cfg, result)
+    info["reused_training"] = shared
+    info["notebank"] = scorer.describe()
+    return scorer, result.train_seconds, info
 
 
 register_model("sasrec", make_sasrec)
 register_model("memory-static", make_memory_static)
 register_model("memory-proteus", make_memory_proteus)
+register_model("memory-proteus-notebank", make_memory_proteus_notebank)

@@ -40,9 +40,7 @@ ModelFactory = Callable[["TimeSplit", "Config"], tuple[Scorer, float, dict[str, 
 DEFAULT_MODELS = ("pop", "sasrec", "memory-static", "memory-proteus", "memory-proteus-notebank")
 
 _REGISTRY: dict[str, ModelFactory] = {"pop": make_pop}
-_UNAVAILABLE: dict[str, str] = {
-    "memory-proteus-notebank": "NoteBank replay is not wired into offline evaluation yet",
-}
+_UNAVAILABLE: dict[str, str] = {}
 _plugins_loaded = False
 _plugin_errors: list[str] = []
 
