@@ -116,6 +116,10 @@ def state_from_numpy(
     return _from_fields(out)
 
 
+INITIAL_SLAB_ROWS = 1024
+"""Slab rows allocated at start; the slab doubles on demand up to state.device_capacity."""
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -152,9 +156,12 @@ class UserStateStore:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.slab = layout.zeros(capacity, self.device)
+        # The slab grows on demand up to ``capacity`` (doubling), so a large configured
+        # capacity costs memory only once that many users are resident.
+        initial = min(capacity, INITIAL_SLAB_ROWS)
+        self.slab = layout.zeros(initial, self.device)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
-        self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self._free: list[int] = list(range(initial - 1, -1, -1))
         # host tier: user -> its fields as [1, ...] CPU tensors
         self._host: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._disk: set[str] = set()
@@ -220,6 +227,24 @@ class UserStateStore:
 
     # ---- the slab ----------------------------------------------------------------------
 
+    @property
+    def allocated(self) -> int:
+        """Slab rows allocated so far (<= capacity)."""
+        return int(self.slab.pos.shape[0])
+
+    def _grow(self, needed: int) -> None:
+        """Add at least ``needed`` rows (doubling, capped at capacity); existing slots keep
+        their rows, so slots handed out earlier stay valid."""
+        old = self.allocated
+        new = min(self.capacity, max(2 * old, old + needed))
+        if new <= old:
+            return
+        extra = self.layout.zeros(new - old, self.device)
+        self.slab = _from_fields(
+            {k: torch.cat([v, _fields(extra)[k]]) for k, v in _fields(self.slab).items()}
+        )
+        self._free.extend(range(new - 1, old - 1, -1))
+
     def gather(self, user_ids: Sequence[str]) -> tuple[MemoryState, torch.Tensor]:
         """States of distinct ``user_ids`` (a copy, on the store's device) and their slots."""
         if len(set(user_ids)) != len(user_ids):
@@ -232,6 +257,8 @@ class UserStateStore:
             if user in self._slot_of:
                 self._slot_of.move_to_end(user)
         missing = [u for u in user_ids if u not in self._slot_of]
+        if len(missing) > len(self._free):
+            self._grow(len(missing) - len(self._free))
         n_evict = max(0, len(missing) - len(self._free))
         evicted = [self._slot_of.popitem(last=False) for _ in range(n_evict)]
         self._to_host([u for u, _ in evicted], [s for _, s in evicted])

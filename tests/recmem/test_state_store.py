@@ -108,3 +108,25 @@ def test_bytes_per_user_and_stale_spills(tmp_path):
     assert store.tier_counts() == {"device": 1, "host": 0, "disk": 1}
     store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_slab_grows_on_demand_and_keeps_states(tmp_path):
+    from recmem.state_store import INITIAL_SLAB_ROWS
+
+    store = UserStateStore(
+        LAYOUT, capacity=3 * INITIAL_SLAB_ROWS, host_capacity=0, spill_dir=tmp_path
+    )
+    assert store.allocated == INITIAL_SLAB_ROWS  # a large capacity is not allocated up front
+    gen = torch.Generator().manual_seed(1)
+    first = [f"a{i}" for i in range(INITIAL_SLAB_ROWS - 10)]
+    state, slots = store.gather(first)
+    written = random_state(LAYOUT, len(first), gen)
+    store.scatter(slots, written)
+    more = [f"b{i}" for i in range(INITIAL_SLAB_ROWS)]
+    store.gather(more)  # needs more rows than are free: the slab grows, nobody is evicted
+    assert store.allocated == 2 * INITIAL_SLAB_ROWS
+    assert store.tier_counts() == {"device": 2 * INITIAL_SLAB_ROWS - 10, "host": 0, "disk": 0}
+    again, _ = store.gather(first)
+    assert_state_equal(again, written)
+    store.gather([f"c{i}" for i in range(2 * INITIAL_SLAB_ROWS)])
+    assert store.allocated == 3 * INITIAL_SLAB_ROWS  # capped at capacity
