@@ -91,10 +91,14 @@ class NotebankScorer:
         return self.model.item_matrix()
 
     def describe(self) -> dict[str, Any]:
+        """Settings for the report; "stats" is the live ``self.stats`` dict (queries,
+        replayed queries, notes replayed, max_live_drift), so it holds the evaluation's
+        counts when the summary is written after the evaluation."""
         return {
             "replay_notes": self.R,
             "replay_query_events": self.query_events,
             "archive": dataclasses.asdict(self.cfg.archive),
+            "stats": self.stats,
         }
 
     @torch.no_grad()
@@ -115,6 +119,7 @@ class NotebankScorer:
                 self._run_batch(seqs, batch, sel, rows, user_of, result)
         finally:
             self.model.train(was_training)
+        log.debug("notebank replay: %s", self.stats)
         return result
 
     def _run_batch(

@@ -128,6 +128,9 @@ def test_run_eval_end_to_end(tmp_path: Path) -> None:
     assert 0.0 <= nb["overall"]["ndcg@10"] <= 1.0
     assert nb["config"]["notebank"]["replay_notes"] == 2
     assert nb["config"]["notebank"]["archive"]["chunk_events"] == 8
+    stats = nb["config"]["notebank"]["stats"]
+    assert stats["queries"] >= nb["overall"]["n"] and stats["replayed"] > 0
+    assert stats["max_live_drift"] < 1e-4
     # one training serves both: the same weights underneath, replay makes the difference
     assert nb["config"]["reused_training"] and not mp["config"]["reused_training"]
     assert nb["config"]["best_valid"] == mp["config"]["best_valid"]
