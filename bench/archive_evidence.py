@@ -17,7 +17,6 @@ import logging
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -25,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+from benchinfo import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,15 +33,6 @@ from offline_eval.split import load_or_build_split  # noqa: E402
 from offline_eval.strata import assign_strata  # noqa: E402
 from recmem.archive.tuning import archive_grid, evidence_recall_grid  # noqa: E402
 from recmem.modelstore import load_model  # noqa: E402
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

@@ -17,28 +17,19 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+from benchinfo import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recmem.archive import NoteBank  # noqa: E402
 from recmem.config import ArchiveConfig, MemoryConfig  # noqa: E402
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def unit(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:

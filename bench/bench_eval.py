@@ -17,7 +17,6 @@ import logging
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from benchinfo import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,15 +33,6 @@ from offline_eval.baselines import PopScorer  # noqa: E402
 from offline_eval.evaluate import Scorer, evaluate  # noqa: E402
 from offline_eval.split import TimeSplit  # noqa: E402
 from recmem.config import Config  # noqa: E402
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def build(name: str, split: TimeSplit, cfg: Config, device: str) -> Scorer:

@@ -25,7 +25,6 @@ import logging
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from benchinfo import git_commit  # noqa: E402
 from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 
 from models.recommender import MemoryRecommender  # noqa: E402
@@ -52,13 +52,6 @@ from streams.producer import EventProducer  # noqa: E402
 from streams.validate import ValidEvent  # noqa: E402
 
 log = logging.getLogger("bench_ingest")
-
-
-def git_commit() -> str:
-    out = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
-    return out.stdout.strip() or "unknown"
 
 
 def raw_rate(cfg: Config, n: int) -> dict[str, float]:

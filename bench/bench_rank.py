@@ -27,7 +27,6 @@ import multiprocessing as mp
 import os
 import platform
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchinfo import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,15 +53,6 @@ SHAPES = (
 K = 10
 N_CANDIDATES = 100
 SASREC_WINDOW = 200
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GIT_COMMIT", "unknown")  # e.g. a copy without .git
 
 
 def cpu_name() -> str:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from benchinfo import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -223,14 +224,6 @@ def ieee_recheck(out_dir: Path, seconds: float) -> dict[str, Any]:
         raise RuntimeError(proc.stderr[-1500:])
     checks = json.loads((sub / "memory_gpu.json").read_text())["checks"]
     return {"env": "TRITON_F32_DEFAULT=ieee", **checks["fla_chunk_kda_delta"]}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def versions() -> dict[str, str]:
