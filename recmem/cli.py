@@ -278,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"recmem {args.command}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        # an unreachable or misconfigured Kafka cluster is the user's to fix: say so plainly
+        if type(e).__module__.startswith("kafka."):
+            bootstrap = cfg.kafka.bootstrap_servers
+            print(f"recmem {args.command}: Kafka at {bootstrap}: {e}", file=sys.stderr)
+            return 3
+        raise
 
 
 if __name__ == "__main__":
