@@ -58,6 +58,9 @@ def memory_scan_recurrent(
     T = q.shape[1]
     positions = event_positions(pos0, lengths, T)
     qt, kt, m = masked_qk(q, k, positions, n_blocks, horizon, qk_l2norm)
+    inputs = [q, k, v, theta, alpha, S0] + [t for t in (eta, M0) if t is not None]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        return _scan_in_place(qt, kt, m, v, theta, eta, alpha, S0, M0)
     S, M = S0, M0
     ys = []
     for i in range(T):
@@ -75,4 +78,46 @@ def memory_scan_recurrent(
         S = torch.where(open_row, S_next, S)
         ys.append(torch.einsum("bhk,bhkv->bhv", qt[:, i], S))
     y = torch.stack(ys, dim=1) if ys else v.new_zeros(v.shape)
+    return y, S, M
+
+
+def _scan_in_place(
+    qt: torch.Tensor,
+    kt: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    eta: torch.Tensor | None,
+    alpha: torch.Tensor,
+    S0: torch.Tensor,
+    M0: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The same rule without autograd (ingest, ranking, evaluation): updates copies of the
+    state in place with per-row factors instead of building full-state temporaries.
+
+    On a locked row the factors are exactly 1 (decay, momentum) and 0 (adding M), and k~ is
+    0 there, so the row keeps its bits; a padding event locks every row: a no-op.
+    """
+    B, T, H, K = kt.shape
+    V = v.shape[-1]
+    S = S0.clone(memory_format=torch.contiguous_format)
+    momentum = eta is not None and M0 is not None
+    M = M0.clone(memory_format=torch.contiguous_format) if momentum and M0 is not None else M0
+    S_bh = S.view(B * H, K, V)
+    M_bh = M.view(B * H, K, V) if momentum and M is not None else None
+    y = v.new_empty(B, T, H, V)
+    for i in range(T):
+        mi = m[:, i, None, :]  # [B, 1, K]
+        ki = kt[:, i].reshape(B * H, 1, K)
+        w = torch.bmm(ki, S_bh).view(B, H, V) - v[:, i]  # k~^T S - v
+        thk = (theta[:, i, :, None] * kt[:, i]).reshape(B * H, K, 1)
+        decay = 1 - alpha[:, i, :, None] * mi  # [B, H, K]: 1 - alpha on open rows, 1 locked
+        if M_bh is not None and M is not None and eta is not None:
+            M.mul_((1 + (eta[:, i, :, None] - 1) * mi)[..., None])  # eta open, 1 locked
+            M_bh.baddbmm_(thk, w.view(B * H, 1, V), alpha=-1.0)
+            S.mul_(decay[..., None]).addcmul_(M, mi[..., None])
+        else:
+            S.mul_(decay[..., None])
+            S_bh.baddbmm_(thk, w.view(B * H, 1, V), alpha=-1.0)
+        y[:, i] = torch.bmm(qt[:, i].reshape(B * H, 1, K), S_bh).view(B, H, V)
     return y, S, M

@@ -258,3 +258,23 @@ def test_memory_scan_dispatches_and_rejects_unknown():
     torch.testing.assert_close(y_ch, y_ref)
     with pytest.raises(ValueError, match="not available"):
         memory_scan(**inp, **kw, backend="nope")
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_in_place_inference_path_equals_the_autograd_path(momentum):
+    """memory_scan_recurrent runs in place when no input needs a gradient; both branches
+    compute the same function, and the in-place one leaves the caller's state untouched."""
+    inp = make_inputs(7, 19, 2, 12, 5, momentum=momentum, seed=11, max_pos=30)
+    kw = dict(n_blocks=3, horizon=24)
+    S0, M0 = inp["S0"].clone(), inp["M0"].clone()
+    y_fast, S_fast, M_fast = memory_scan_recurrent(**inp, **kw)
+    assert torch.equal(inp["S0"], S0) and torch.equal(inp["M0"], M0)
+    grad_inp = dict(inp, q=inp["q"].clone().requires_grad_(True))
+    y_ag, S_ag, M_ag = memory_scan_recurrent(**grad_inp, **kw)
+    assert y_ag.requires_grad
+    torch.testing.assert_close(y_fast, y_ag.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(S_fast, S_ag.detach(), rtol=1e-12, atol=1e-12)
+    if momentum:
+        torch.testing.assert_close(M_fast, M_ag.detach(), rtol=1e-12, atol=1e-12)
+    else:
+        assert torch.equal(M_fast, M0)
