@@ -100,24 +100,35 @@ def _scan_in_place(
     """
     B, T, H, K = kt.shape
     V = v.shape[-1]
+    BH = B * H
     S = S0.clone(memory_format=torch.contiguous_format)
     momentum = eta is not None and M0 is not None
     M = M0.clone(memory_format=torch.contiguous_format) if momentum and M0 is not None else M0
-    S_bh = S.view(B * H, K, V)
-    M_bh = M.view(B * H, K, V) if momentum and M is not None else None
-    y = v.new_empty(B, T, H, V)
+    S_bh = S.view(BH, K, V)
+    M_bh = M.view(BH, K, V) if momentum and M is not None else None
+
+    # Everything that does not depend on the state, for all steps at once, time-major.
+    def steps(x: torch.Tensor, *shape: int) -> torch.Tensor:
+        return x.transpose(0, 1).reshape(T, *shape).contiguous()
+
+    mh = m[:, :, None, :]  # [B, T, 1, K]
+    k_t = steps(kt, BH, 1, K)
+    q_t = steps(qt, BH, 1, K)
+    neg_v = steps(-v, BH, 1, V)
+    thk_t = steps(theta[..., None] * kt, BH, K, 1)
+    decay_t = steps(1 - alpha[..., None] * mh, B, H, K, 1)  # 1 - alpha open, 1 locked
+    open_t = steps(mh.expand(B, T, 1, K), B, 1, K, 1)
+    eta_t = steps(1 + (eta[..., None] - 1) * mh, B, H, K, 1) if eta is not None else None
+    y_t = v.new_empty(T, BH, 1, V)
     for i in range(T):
-        mi = m[:, i, None, :]  # [B, 1, K]
-        ki = kt[:, i].reshape(B * H, 1, K)
-        w = torch.bmm(ki, S_bh).view(B, H, V) - v[:, i]  # k~^T S - v
-        thk = (theta[:, i, :, None] * kt[:, i]).reshape(B * H, K, 1)
-        decay = 1 - alpha[:, i, :, None] * mi  # [B, H, K]: 1 - alpha on open rows, 1 locked
-        if M_bh is not None and M is not None and eta is not None:
-            M.mul_((1 + (eta[:, i, :, None] - 1) * mi)[..., None])  # eta open, 1 locked
-            M_bh.baddbmm_(thk, w.view(B * H, 1, V), alpha=-1.0)
-            S.mul_(decay[..., None]).addcmul_(M, mi[..., None])
+        w = torch.baddbmm(neg_v[i], k_t[i], S_bh)  # k~^T S - v
+        if M_bh is not None and M is not None and eta_t is not None:
+            M.mul_(eta_t[i])
+            M_bh.baddbmm_(thk_t[i], w, alpha=-1.0)
+            S.mul_(decay_t[i]).addcmul_(M, open_t[i])
         else:
-            S.mul_(decay[..., None])
-            S_bh.baddbmm_(thk, w.view(B * H, 1, V), alpha=-1.0)
-        y[:, i] = torch.bmm(qt[:, i].reshape(B * H, 1, K), S_bh).view(B, H, V)
+            S.mul_(decay_t[i])
+            S_bh.baddbmm_(thk_t[i], w, alpha=-1.0)
+        torch.bmm(q_t[i], S_bh, out=y_t[i])
+    y = y_t.view(T, B, H, V).transpose(0, 1).contiguous()
     return y, S, M
