@@ -364,12 +364,18 @@ class NoteBank:
             users = [(u, self._users[u]) for u in dict.fromkeys(user_ids) if u in self._users]
             return pack_users(users, self.coords, self.key_dim, self.n_channels)
 
-    def load_users(self, state: Mapping[str, np.ndarray]) -> int:
+    def load_users(self, state: Mapping[str, np.ndarray], replace: Iterable[str] = ()) -> int:
         """Replace the archive of every user in ``state`` (from ``state_for_users``) and
-        rebuild their indexes. Validates all of it first: on ValueError nothing changed.
+        rebuild their indexes; users named in ``replace`` but absent from ``state`` are
+        dropped. Validates all of it first: on ValueError nothing changed.
         Returns the number of users loaded."""
         users = unpack_users(state, self.coords, self.key_dim, self.n_channels)
         with self._lock:
+            present = {uid for uid, _ in users}
+            for uid in replace:
+                if uid not in present:
+                    self._users.pop(uid, None)
+                    self._indexes.pop(uid, None)
             for uid, ua in users:
                 if len(ua.notes) > self.cfg.notes_per_user:
                     del ua.notes[: len(ua.notes) - self.cfg.notes_per_user]

@@ -60,9 +60,11 @@ class NoteBankHook:
         return self.bank.state_for_users(user_ids)
 
     def import_notes(self, user_ids: list[str], notes: dict[str, np.ndarray] | None) -> None:
-        self.bank.drop_users(user_ids)
         if notes:
-            self.bank.load_users(notes)
+            # validated before anything changes: a bad archive leaves the old notes in place
+            self.bank.load_users(notes, replace=user_ids)
+        else:
+            self.bank.drop_users(user_ids)
 
     def drop(self, user_ids: list[str]) -> None:
         self.bank.drop_users(user_ids)

@@ -103,6 +103,8 @@ def test_bad_state_is_rejected_and_changes_nothing(mutate, message):
     before = target.state_for_users(["user-0"])
     with pytest.raises(ValueError, match=message):
         target.load_users(state)
+    with pytest.raises(ValueError, match=message):  # replace= drops nothing on a bad state
+        target.load_users(state, replace=["user-0"])
     assert target.users() == ["user-0"]
     for k, v in target.state_for_users(["user-0"]).items():
         np.testing.assert_array_equal(v, before[k])
@@ -119,3 +121,14 @@ def test_strings_round_trip_unicode():
     data, offsets = pack_strings(strings)
     assert data.dtype == np.uint8 and offsets.tolist()[0] == 0
     assert unpack_strings(data, offsets, "t") == strings
+
+
+def test_load_with_replace_drops_users_absent_from_the_state():
+    bank, _ = _filled_bank(n_users=2)
+    state = bank.state_for_users(["user-0"])
+    other = NoteBank(small_cfg(notes_per_user=5), K, CH, seed=3)  # same P as the source
+    s = make_stream(20, seed=61)
+    other.observe("user-1", *s.part(0, 20))
+    other.observe("user-9", *s.part(0, 20))
+    assert other.load_users(state, replace=["user-0", "user-1"]) == 1
+    assert sorted(other.users()) == ["user-0", "user-9"]  # user-1 replaced by nothing
