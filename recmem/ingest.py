@@ -267,7 +267,7 @@ def load_or_init_model(
     saved there first. A fresh model knows no items: every item id maps to a hashed
     out-of-vocabulary bucket. The configuration's memory and model sections are replaced by
     the model's own."""
-    from recmem.modelstore import MODEL_FILE, load_model, save_model
+    from recmem.modelstore import MODEL_FILE, adopt_model_config, load_model, save_model
 
     model_dir = Path(cfg.server.model_dir)
     if not (model_dir / MODEL_FILE).exists():
@@ -284,8 +284,7 @@ def load_or_init_model(
     model, vocab, model_cfg, extra = load_model(model_dir, device)
     if not isinstance(model, MemoryRecommender):
         raise ValueError(f"{model_dir}: the ingest service needs a memory model, not a baseline")
-    cfg.memory = model_cfg.memory
-    cfg.model = model_cfg.model
+    adopt_model_config(cfg, model_cfg)
     return model, vocab, str(extra.get("model_version", "unversioned"))
 
 

@@ -119,3 +119,14 @@ def load_model(
     extra = dict(payload["extra"])
     extra["model_version"] = payload["model_version"]
     return model, vocab, cfg, extra
+
+
+def adopt_model_config(cfg: Config, model_cfg: Config) -> None:
+    """Take a loaded model's memory and model sections (its shapes and schedule) into the
+    running configuration, keeping the running ``memory.backend``: the kernel is how this
+    machine computes the rule, not part of the model (a model trained on CPU with
+    ``recurrent`` should use ``auto`` -> Triton when served on a GPU). The model shares
+    ``model_cfg.memory``, so it follows the change."""
+    backend = cfg.memory.backend
+    cfg.memory, cfg.model = model_cfg.memory, model_cfg.model
+    cfg.memory.backend = backend

@@ -73,7 +73,7 @@ def load_serving_model(
     """The memory model in ``server.model_dir`` (or a fresh one with ``init_model``), its
     vocabulary, version and TRAIN popularity (None when the checkpoint has none). The
     configuration's memory and model sections become the model's own."""
-    from recmem.modelstore import MODEL_FILE, load_model
+    from recmem.modelstore import MODEL_FILE, adopt_model_config, load_model
 
     if not (Path(cfg.server.model_dir) / MODEL_FILE).exists():
         model, vocab, version = load_or_init_model(cfg, device, init_model)
@@ -81,7 +81,7 @@ def load_serving_model(
     loaded, vocab, model_cfg, extra = load_model(cfg.server.model_dir, device)
     if not isinstance(loaded, MemoryRecommender):
         raise ValueError(f"{cfg.server.model_dir}: the rank service needs a memory model")
-    cfg.memory, cfg.model = model_cfg.memory, model_cfg.model
+    adopt_model_config(cfg, model_cfg)
     popularity = popularity_from_extra(extra, vocab.n_items)
     if popularity is None:
         log.warning("model has no TRAIN popularity: cold-start answers follow catalog order")

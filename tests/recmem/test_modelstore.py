@@ -12,7 +12,7 @@ from models.recommender import MemoryRecommender
 from models.sasrec import SASRec, SASRecConfig
 from models.train import train_memory_model
 from recmem.config import Config
-from recmem.modelstore import MODEL_FILE, load_model, save_model
+from recmem.modelstore import MODEL_FILE, adopt_model_config, load_model, save_model
 from recmem.vocab import ItemVocab
 from tests.models.synth import cyclic_seqs
 
@@ -75,3 +75,16 @@ def test_bad_checkpoints_fail_clearly(tmp_path: Path) -> None:
     (tmp_path / MODEL_FILE).write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable"):
         load_model(tmp_path)
+
+
+def test_serving_keeps_its_own_memory_backend(tmp_path: Path) -> None:
+    cfg = small_cfg()  # trained with backend = recurrent
+    vocab = ItemVocab([f"i{i}" for i in range(5)], 2)
+    save_model(tmp_path, MemoryRecommender(5, 2, cfg.memory, cfg.model), vocab, cfg)
+    serving = Config()
+    serving.memory.backend = "reference"
+    loaded, _, model_cfg, _ = load_model(tmp_path)
+    adopt_model_config(serving, model_cfg)
+    assert serving.memory.key_dim == 8 and serving.model.embed_dim == 16  # the model's shapes
+    assert serving.memory.backend == "reference"  # the machine's kernel choice
+    assert all(layer.mem.backend == "reference" for layer in loaded.layers)
