@@ -105,10 +105,16 @@ class RankServer:
             raise ValueError(f"cannot listen on {address}")
         self.tls = bool(s.tls_cert)
 
-    def start(self) -> RankServer:
+    def start(self, ready: bool = True) -> RankServer:
+        """Start listening. ``ready=False`` reports NOT_SERVING until ``mark_ready()`` (the
+        service calls it once its first partitions are restored, so a load balancer does
+        not send traffic that would get cold-start answers for known users)."""
         self.server.start()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if ready:
+            self.mark_ready()
+        else:
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info(
             "rank service on %s:%d (%s%s)",
             self.cfg.server.host,
@@ -117,6 +123,10 @@ class RankServer:
             ", bearer token" if self.cfg.server.auth_token else "",
         )
         return self
+
+    def mark_ready(self) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (True) or ``timeout`` passes (False)."""

@@ -37,15 +37,26 @@ log = logging.getLogger(__name__)
 
 
 class LockedSink:
-    """The ingest service as the consumer's BatchSink, each call under the stack's lock."""
+    """The ingest service as the consumer's BatchSink, each call under the stack's lock;
+    ``on_ready`` runs once, after the first assignment's checkpoints are restored."""
 
-    def __init__(self, inner: IngestService, lock: threading.RLock) -> None:
+    def __init__(
+        self,
+        inner: IngestService,
+        lock: threading.RLock,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
         self.inner = inner
         self.lock = lock
+        self._on_ready = on_ready
 
     def on_assigned(self, partitions: list[int]) -> dict[int, int]:
         with self.lock:
-            return self.inner.on_assigned(partitions)
+            offsets = self.inner.on_assigned(partitions)
+        if self._on_ready is not None:
+            self._on_ready()
+            self._on_ready = None
+        return offsets
 
     def on_revoked(self, partitions: list[int]) -> None:
         with self.lock:
@@ -127,16 +138,16 @@ class RecMemService:
             service = IngestService(self.stack.engine, checkpoints, cfg.checkpoint.interval_s)
             self.ingest = service
             kafka = dataclasses.replace(cfg.kafka, metrics_port=0)  # served below instead
-            self.consumer = EventConsumer(
-                kafka, LockedSink(service, self.stack.lock), metrics=self.metrics
-            )
+            sink = LockedSink(service, self.stack.lock, on_ready=self.server.mark_ready)
+            self.consumer = EventConsumer(kafka, sink, metrics=self.metrics)
 
     @property
     def port(self) -> int:
         return self.server.port
 
     def start(self) -> RecMemService:
-        self.server.start()
+        # with ingest on, health says SERVING only once the first partitions are restored
+        self.server.start(ready=self.consumer is None)
         if self.cfg.server.metrics_port > 0:
             self.metrics.serve(self.cfg.server.metrics_port, self.cfg.server.host)
         if self.consumer is not None:

@@ -416,6 +416,11 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
                 time.sleep(0.2)
             assert [i.position for i in infos] == [20, 20, 20]
             assert all(i.note_count >= 1 for i in infos)
+            # partitions restored and consuming: the service reports ready
+            health = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="recmem.v1.RecMem"), timeout=TIMEOUT
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
             res = stub.Rank(
                 rank_pb2.RankRequest(
                     user_id="kafka-user1", k=5, replay=rank_pb2.ReplayOptions(enabled=True)
@@ -501,3 +506,20 @@ def test_batcher_failure_fails_its_batch_not_the_worker() -> None:
         batcher.stop()
     with pytest.raises(BatcherStopped):
         batcher.submit(1)
+
+
+def test_not_serving_until_ready(env: RankEnv) -> None:
+    srv = env.stack.server(env.cfg).start(ready=False)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+
+            def status() -> int:
+                request = health_pb2.HealthCheckRequest(service="recmem.v1.RecMem")
+                return health.Check(request, timeout=TIMEOUT).status
+
+            assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+            srv.mark_ready()
+            assert status() == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        srv.stop(grace=1.0)
