@@ -154,6 +154,9 @@ def load_events(args: argparse.Namespace, cfg: Config) -> tuple[dict[str, list],
 
 
 def main() -> None:
+    from models.memory.ops import flush_denormals
+
+    flush_denormals()  # as `recmem` does at start (the CPU scan also sets it per thread)
     logging.basicConfig(level=logging.WARNING)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", default="ml-100k")

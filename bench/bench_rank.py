@@ -277,6 +277,9 @@ def run_cell(
 
 
 def main() -> None:
+    from models.memory.ops import flush_denormals
+
+    flush_denormals()  # as `recmem` does at start (the CPU scan also sets it per thread)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--users", type=int, default=256)
     ap.add_argument("--events", type=int, default=300, help="mean events per user")

@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     # unless -v.
     for name in ("recmem", "streams", "models", "offline_eval"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    from models.memory.ops import flush_denormals
+
+    flush_denormals()  # main thread (training, evaluation); the CPU scan sets it per thread
     try:
         cfg = load_config(args.config, args.set)
     except ConfigError as e:

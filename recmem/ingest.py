@@ -293,6 +293,8 @@ def build_service(
 ) -> IngestService:
     """Model, state store, engine, checkpoint store and service from one configuration."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.server.torch_threads > 0:
+        torch.set_num_threads(cfg.server.torch_threads)
     model, vocab, version = load_or_init_model(cfg, dev, init_model)
     layout = StateLayout.from_config(cfg.memory, cfg.model)
     store = UserStateStore(

@@ -21,10 +21,12 @@ import torch
 
 from models.memory.chunk import DEFAULT_CHUNK_SIZE, memory_scan_chunk
 from models.memory.naive import memory_scan_reference
-from models.memory.recurrent import memory_scan_recurrent
+from models.memory.recurrent import flush_denormals, memory_scan_recurrent
 from models.memory.triton_momentum import memory_scan_triton
 
 log = logging.getLogger(__name__)
+
+__all__ = ["BACKENDS", "flush_denormals", "memory_scan", "resolve_backend"]
 
 ScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 

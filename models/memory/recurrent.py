@@ -13,6 +13,17 @@ from models.memory.naive import l2norm
 from models.memory.proteus import proteus_row_mask
 
 
+def flush_denormals() -> bool:
+    """Flush denormal floats to zero on the CPU for the calling thread.
+
+    Memory states decay towards zero (forget gate, momentum), and x86 arithmetic on
+    denormals is about 100x slower: without this, CPU ingest of long histories slowed from
+    12k to 1.7k events/s. Values under 1.2e-38 become 0, far below what the model can tell
+    apart. Call it at process start, before worker threads exist. Returns False where the
+    CPU does not support it."""
+    return bool(torch.set_flush_denormal(True))
+
+
 def event_positions(pos0: torch.Tensor, lengths: torch.Tensor, T: int) -> torch.Tensor:
     """[B, T] lifetime positions of the new events; 0 marks padding."""
     steps = torch.arange(T, device=pos0.device)
@@ -98,6 +109,8 @@ def _scan_in_place(
     On a locked row the factors are exactly 1 (decay, momentum) and 0 (adding M), and k~ is
     0 there, so the row keeps its bits; a padding event locks every row: a no-op.
     """
+    if kt.device.type == "cpu":
+        flush_denormals()  # per thread: decayed states would otherwise crawl
     B, T, H, K = kt.shape
     V = v.shape[-1]
     BH = B * H

@@ -278,3 +278,16 @@ def test_in_place_inference_path_equals_the_autograd_path(momentum):
         torch.testing.assert_close(M_fast, M_ag.detach(), rtol=1e-12, atol=1e-12)
     else:
         assert torch.equal(M_fast, M0)
+
+
+def test_flush_denormals_zeroes_denormal_results():
+    from models.memory.ops import flush_denormals
+
+    torch.set_flush_denormal(False)  # the CPU scan may have turned it on in this thread
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 denormal
+    assert (tiny * 1.0).item() != 0.0
+    try:
+        assert flush_denormals()
+        assert (tiny * 1.0).item() == 0.0
+    finally:
+        torch.set_flush_denormal(False)
