@@ -264,9 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     # unless -v.
     for name in ("recmem", "streams", "models", "offline_eval"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    from models.memory.ops import flush_denormals
-
-    flush_denormals()  # main thread (training, evaluation); the CPU scan sets it per thread
     try:
         cfg = load_config(args.config, args.set)
     except ConfigError as e:
@@ -290,5 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The console-script entry point: process-wide settings, then ``main``."""
+    from models.memory.ops import flush_denormals
+
+    flush_denormals()  # this process computes memories: flush denormal floats (see there)
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -280,14 +280,30 @@ def test_in_place_inference_path_equals_the_autograd_path(momentum):
         assert torch.equal(M_fast, M0)
 
 
-def test_flush_denormals_zeroes_denormal_results():
-    from models.memory.ops import flush_denormals
+def _denormal_survives() -> bool:
+    return (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() != 0.0
 
-    torch.set_flush_denormal(False)  # the CPU scan may have turned it on in this thread
-    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 denormal
-    assert (tiny * 1.0).item() != 0.0
+
+def test_cpu_scan_flushes_denormals_without_leaking_the_flag():
+    from models.memory import recurrent
+
+    assert not recurrent._process_flushes_denormals
+    torch.set_flush_denormal(False)
+    assert _denormal_survives()
+    inp = make_inputs(3, 5, 2, 8, 4, dtype=torch.float32, seed=13)
+    memory_scan_recurrent(**inp, n_blocks=2, horizon=8)
+    assert _denormal_survives()  # the caller's thread is as it was
+
+
+def test_flush_denormals_opts_the_process_in():
+    from models.memory import recurrent
+
     try:
-        assert flush_denormals()
-        assert (tiny * 1.0).item() == 0.0
+        assert recurrent.flush_denormals()
+        assert not _denormal_survives()
+        inp = make_inputs(3, 5, 2, 8, 4, dtype=torch.float32, seed=14)
+        memory_scan_recurrent(**inp, n_blocks=2, horizon=8)
+        assert not _denormal_survives()  # an opted-in process keeps flushing
     finally:
+        recurrent._process_flushes_denormals = False
         torch.set_flush_denormal(False)
