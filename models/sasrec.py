@@ -17,7 +17,12 @@ from torch import nn
 from tqdm import tqdm
 
 from models.sequences import EventSeqs
-from models.train import TrainResult, ValidateFn, fit, pick_device, seed_everything
+from models.train import (
+    TrainResult,
+    ValidateFn,
+    fit,
+    prepare_training,
+)
 from recmem.config import TrainConfig
 
 
@@ -222,8 +227,5 @@ def train_sasrec(
     device: torch.device | None = None,
 ) -> TrainResult:
     """Train on each user's first ``lengths[u]`` events of ``seqs`` (default: all)."""
-    seed_everything(tcfg.seed)
-    device = device or pick_device(tcfg.device)
-    model.to(device)
-    lens = seqs.lengths() if lengths is None else np.asarray(lengths)
+    device, lens = prepare_training(model, seqs, tcfg, lengths, device)
     return fit(model, SASRecEpoch(model, seqs, lens, tcfg, device), tcfg, validate)

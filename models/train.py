@@ -338,10 +338,22 @@ def train_memory_model(
     device: torch.device | None = None,
 ) -> TrainResult:
     """Train ``model`` on each user's first ``lengths[u]`` events of ``seqs`` (default: all)."""
+    device, lens = prepare_training(model, seqs, tcfg, lengths, device)
+    return fit(model, MemoryEpoch(model, seqs, lens, tcfg, device), tcfg, validate)
+
+
+def prepare_training(
+    model: nn.Module,
+    seqs: EventSeqs,
+    tcfg: TrainConfig,
+    lengths: np.ndarray | None,
+    device: torch.device | None,
+) -> tuple[torch.device, np.ndarray]:
+    """Seed, place the model, and check the per-user training lengths (default: all)."""
     seed_everything(tcfg.seed)
     device = device or pick_device(tcfg.device)
     model.to(device)
     lens = seqs.lengths() if lengths is None else np.asarray(lengths)
     if len(lens) != seqs.n_users:
         raise ValueError(f"lengths has {len(lens)} entries for {seqs.n_users} users")
-    return fit(model, MemoryEpoch(model, seqs, lens, tcfg, device), tcfg, validate)
+    return device, lens

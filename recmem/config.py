@@ -293,7 +293,7 @@ class ServerConfig:
     """torch intra-op threads of the serve and ingest processes (0 = torch's default). The
     memory step is many small per-event operations, and the OpenMP workers of a thread
     other than the main one do not flush denormal floats (decaying states make those ~100x
-    slower): one thread measured 12.8k against 3.6k events/s for CPU ingest."""
+    slower); see docs/ingest.md and bench/results/ingest_cpu.json."""
 
 
 @dataclass

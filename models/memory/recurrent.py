@@ -7,6 +7,9 @@ lengths[b]) get an all-zero Proteus mask, which makes them exact no-ops.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from models.memory.naive import l2norm
@@ -19,16 +22,30 @@ def flush_denormals() -> bool:
     """Opt this process in to flushing denormal floats to zero on the CPU.
 
     Memory states decay towards zero (forget gate, momentum), and x86 arithmetic on
-    denormals is about 100x slower: without flushing, CPU ingest of long histories ran at
-    1.7k instead of 12k events/s. Values under 1.2e-38 become 0, far below what the model
-    can tell apart. The processor flag belongs to a thread: the CPU scan below sets it in
-    whatever thread runs it, and keeps it set only in processes that opted in (the
-    ``recmem`` command does at start); elsewhere it restores the default after each scan,
-    so a library user's other float code is not affected. Returns False where the CPU does
+    denormals is about 100x slower (docs/ingest.md has the measured effect on CPU ingest).
+    Values under 1.2e-38 become 0, far below what the model can tell apart. The processor
+    flag belongs to a thread: the CPU scan sets it in whatever thread runs it and keeps it
+    only in processes that opted in (the ``recmem`` command does at start); elsewhere it
+    restores the default after each scan, so a library user's other float code is not
+    affected. Returns False where the CPU does
     not support it."""
     global _process_flushes_denormals
     _process_flushes_denormals = True
     return bool(torch.set_flush_denormal(True))
+
+
+@contextlib.contextmanager
+def _denormals_flushed(device: torch.device) -> Iterator[None]:
+    """Flush denormals in this thread while the CPU scan runs (decayed states would crawl);
+    afterwards restore the default unless the process opted in (``flush_denormals``)."""
+    on_cpu = device.type == "cpu"
+    if on_cpu:
+        torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if on_cpu and not _process_flushes_denormals:
+            torch.set_flush_denormal(False)
 
 
 def event_positions(pos0: torch.Tensor, lengths: torch.Tensor, T: int) -> torch.Tensor:
@@ -78,7 +95,8 @@ def memory_scan_recurrent(
     qt, kt, m = masked_qk(q, k, positions, n_blocks, horizon, qk_l2norm)
     inputs = [q, k, v, theta, alpha, S0] + [t for t in (eta, M0) if t is not None]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
-        return _scan_in_place(qt, kt, m, v, theta, eta, alpha, S0, M0)
+        with _denormals_flushed(q.device):
+            return _scan_in_place(qt, kt, m, v, theta, eta, alpha, S0, M0)
     S, M = S0, M0
     ys = []
     for i in range(T):
@@ -116,27 +134,6 @@ def _scan_in_place(
     On a locked row the factors are exactly 1 (decay, momentum) and 0 (adding M), and k~ is
     0 there, so the row keeps its bits; a padding event locks every row: a no-op.
     """
-    on_cpu = kt.device.type == "cpu"
-    if on_cpu:
-        torch.set_flush_denormal(True)  # decayed states would crawl: see flush_denormals
-    try:
-        return _scan_steps(qt, kt, m, v, theta, eta, alpha, S0, M0)
-    finally:
-        if on_cpu and not _process_flushes_denormals:
-            torch.set_flush_denormal(False)
-
-
-def _scan_steps(
-    qt: torch.Tensor,
-    kt: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    theta: torch.Tensor,
-    eta: torch.Tensor | None,
-    alpha: torch.Tensor,
-    S0: torch.Tensor,
-    M0: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     B, T, H, K = kt.shape
     V = v.shape[-1]
     BH = B * H
