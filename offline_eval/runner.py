@@ -26,6 +26,7 @@ import numpy as np
 
 from offline_eval.baselines import make_pop
 from offline_eval.evaluate import Scorer, evaluate
+from offline_eval.jobs import run_parallel, training_groups
 from offline_eval.metrics import METRIC_KEYS, metrics_from_ranks
 from offline_eval.split import TimeSplit, load_or_build_split
 from offline_eval.strata import STRATA, position_bucket_labels, position_buckets
@@ -95,7 +96,7 @@ def split_model_spec(spec: str) -> tuple[str, list[str]]:
     return name.strip(), overrides
 
 
-def parse_models(spec: str) -> list[str]:
+def parse_models(spec: str, *, check_known: bool = True) -> list[str]:
     """Split a comma-separated model list (commas inside [...] belong to the overrides)."""
     names, depth, cur = [], 0, ""
     for ch in spec:
@@ -106,6 +107,8 @@ def parse_models(spec: str) -> list[str]:
         else:
             cur += ch
     names = [n for n in [*names, cur.strip()] if n]
+    if not check_known:
+        return names
     known = available_models()
     unknown = [m for m in names if split_model_spec(m)[0] not in known]
     if unknown:
@@ -188,6 +191,44 @@ def prepare_split(cfg: Config, dataset: str, path: Path) -> TimeSplit:
     return split
 
 
+def _evaluate_spec(
+    spec: str,
+    name: str,
+    overrides: list[str],
+    cfg: Config,
+    split: TimeSplit,
+    by_position: dict[str, dict[str, dict[str, Any]]],
+    planted: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """Fit one model spec on TRAIN and evaluate it on TEST (in this process)."""
+    log.info("model %s: fitting on TRAIN", spec)
+    t0 = time.perf_counter()
+    scorer, train_seconds, model_cfg = _REGISTRY[name](split, model_config(cfg, overrides))
+    if train_seconds is None:
+        train_seconds = time.perf_counter() - t0
+    res = evaluate(scorer, split, "test", cfg.eval, return_per_target=True)
+    entry: dict[str, Any] = {"overall": res["overall"]}
+    entry.update({s: res[s] for s in STRATA})
+    entry.update(
+        train_seconds=float(train_seconds),
+        eval_seconds=float(res["eval_seconds"]),
+        config=model_cfg,
+    )
+    if overrides:
+        entry["config"] = {**entry["config"], "overrides": overrides}
+    by_position[spec] = position_table(res["per_target"])
+    if "planted" in res:
+        planted[spec] = res["planted"]
+    log.info(
+        "model %s: TEST ndcg@10 %.4f hr@10 %.4f (n=%d)",
+        spec,
+        res["overall"]["ndcg@10"] or 0.0,
+        res["overall"]["hr@10"] or 0.0,
+        res["overall"]["n"],
+    )
+    return entry
+
+
 def run_eval(
     cfg: Config,
     dataset: str,
@@ -196,8 +237,11 @@ def run_eval(
     *,
     split_path: Path | None = None,
     write_report: bool = True,
+    jobs: int | None = None,
 ) -> dict[str, Any]:
-    """Evaluate ``models`` on the TEST targets of ``dataset``; write the outputs to ``out``."""
+    """Evaluate ``models`` on the TEST targets of ``dataset``; write the outputs to ``out``.
+    ``jobs`` (default ``cfg.eval.jobs``) > 1 trains and evaluates the models in that many
+    worker processes at once (offline_eval.jobs)."""
     known = available_models()
     specs = {spec: split_model_spec(spec) for spec in models}
     for name, overrides in specs.values():
@@ -215,41 +259,36 @@ def run_eval(
         "excluded_cold_item": test_targets.excluded_cold_item,
         "excluded_first_event": test_targets.excluded_first_event,
     }
+    groups = training_groups(specs, lambda overrides: model_config(cfg, overrides))
+    jobs = max(1, cfg.eval.jobs if jobs is None else jobs)
+    runnable = [g for g in groups if any(not known[specs[s][0]] for s in g)]
+    t_run = time.perf_counter()
+    if jobs > 1 and len(runnable) > 1:
+        if split_path is None:  # the workers read the same split from a file
+            split_path = out / "jobs" / "split.npz"
+            split_path.parent.mkdir(parents=True, exist_ok=True)
+            split.save(split_path)
+        done = run_parallel(cfg, dataset, runnable, out, split_path, jobs)
+    else:
+        done = {}
     for spec, (name, overrides) in specs.items():
         if known[name]:
             log.info("model %s: not available (%s)", spec, known[name])
             entries[spec] = _empty_entry(known[name])
             continue
-        log.info("model %s: fitting on TRAIN", spec)
-        t0 = time.perf_counter()
-        scorer, train_seconds, model_cfg = _REGISTRY[name](split, model_config(cfg, overrides))
-        if train_seconds is None:
-            train_seconds = time.perf_counter() - t0
-        res = evaluate(scorer, split, "test", cfg.eval, return_per_target=True)
-        entry: dict[str, Any] = {"overall": res["overall"]}
-        entry.update({s: res[s] for s in STRATA})
-        entry.update(
-            train_seconds=float(train_seconds),
-            eval_seconds=float(res["eval_seconds"]),
-            config=model_cfg,
-        )
-        if overrides:
-            entry["config"] = {**entry["config"], "overrides": overrides}
-        entries[spec] = entry
-        by_position[spec] = position_table(res["per_target"])
-        if "planted" in res:
-            planted[spec] = res["planted"]
-        log.info(
-            "model %s: TEST ndcg@10 %.4f hr@10 %.4f (n=%d)",
-            spec,
-            res["overall"]["ndcg@10"] or 0.0,
-            res["overall"]["hr@10"] or 0.0,
-            res["overall"]["n"],
-        )
+        if spec in done:
+            entries[spec], table, plant = done[spec]
+            if table is not None:
+                by_position[spec] = table
+            if plant is not None:
+                planted[spec] = plant
+            continue
+        entries[spec] = _evaluate_spec(spec, name, overrides, cfg, split, by_position, planted)
     summary = {
         "dataset": split.dataset,
         "split": split_summary(split, split_info),
         "models": entries,
+        "run": {"jobs": jobs, "wall_seconds": time.perf_counter() - t_run},
     }
     _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     _atomic_write(out / "by_position.json", json.dumps(by_position, indent=2) + "\n")
@@ -266,4 +305,25 @@ def run_eval(
             has_repeats=split.has_repeats,
             planted=planted,
         )
+    return summary
+
+
+def report_from_runs(
+    cfg: Config, runs: list[Path], out: Path, models: list[str] | None = None
+) -> dict[str, Any]:
+    """Write summary.json, by_position.json and report.md in ``out`` from earlier runs on the
+    same split (offline_eval.jobs.combine_runs); nothing is trained."""
+    from offline_eval.jobs import combine_runs
+    from offline_eval.report import write_report as _write
+
+    summary, by_position, planted = combine_runs(runs, models)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _atomic_write(out / "by_position.json", json.dumps(by_position, indent=2) + "\n")
+    if planted:
+        _atomic_write(out / "planted.json", json.dumps(planted, indent=2) + "\n")
+    repeats = any((e.get("repeat") or {}).get("n") for e in summary["models"].values())
+    _write(
+        out, summary, by_position, eval_config=cfg.eval, has_repeats=bool(repeats), planted=planted
+    )
     return summary

@@ -70,11 +70,18 @@ def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
         prepared = prepare_split(cfg, dataset, split_path)
         print(f"{prepared.dataset}: {prepared.n_events} events, split saved to {split_path}")
         return 0
-    models = parse_models(args.models or ",".join(DEFAULT_MODELS))
     if not args.out:
         raise ValueError("--out is required (or --prepare-split PATH)")
-    split = Path(args.split) if args.split else None
-    summary = run_eval(cfg, dataset, models, Path(args.out), split_path=split)
+    if args.from_runs:
+        from offline_eval.runner import report_from_runs
+
+        picked = parse_models(args.models, check_known=False) if args.models else None
+        runs = [Path(d) for d in args.from_runs.split(",") if d.strip()]
+        summary = report_from_runs(cfg, runs, Path(args.out), picked)
+    else:
+        models = parse_models(args.models or ",".join(DEFAULT_MODELS))
+        split = Path(args.split) if args.split else None
+        summary = run_eval(cfg, dataset, models, Path(args.out), split_path=split, jobs=args.jobs)
     sp = summary["split"]
     print(f"{summary['dataset']}: {sp['n_test_targets']} TEST targets")
     for name, entry in summary["models"].items():
@@ -210,6 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
                 "--prepare-split",
                 metavar="PATH",
                 help="only build the split and save it at PATH (.npz + .json), then exit",
+            )
+            p.add_argument(
+                "--jobs",
+                type=int,
+                help="models trained at once in worker processes, spread over the GPUs "
+                "(default: eval.jobs)",
+            )
+            p.add_argument(
+                "--from-runs",
+                metavar="DIR[,DIR...]",
+                help="train nothing: combine earlier runs' summary.json (same split) into one "
+                "report in --out; --models picks and orders the entries",
             )
         if name == "ingest":
             p.add_argument(

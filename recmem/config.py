@@ -136,6 +136,10 @@ class EvalConfig:
     already interacted with from the ranking."""
     batch_users: int = 256
     """Users evaluated per batch."""
+    jobs: int = 1
+    """``recmem eval``: models trained and evaluated at once, each in its own worker process
+    (spread over the visible GPUs; without a GPU each gets its share of the CPU cores).
+    Small models are launch-bound on a GPU, so several per GPU pay off."""
 
 
 @dataclass
@@ -245,6 +249,10 @@ class ArchiveConfig:
     """Per-user cap; the oldest notes are evicted."""
     replay_notes: int = 4
     """R: notes replayed at rank time by default."""
+    min_votes: int = 0
+    """Least channel votes a note needs to be routed (0: the top R by votes, then by summed
+    cosine, filled up with unvoted notes; m >= 1: only notes at least m channels voted
+    for, so a query may get fewer than R notes or none)."""
 
 
 @dataclass
@@ -433,6 +441,7 @@ def validate(cfg: Config) -> None:
         ),
         (cfg.train.loss in ("full", "sampled"), "train.loss must be full or sampled"),
         (cfg.eval.exclude_seen in ("auto", "yes", "no"), "eval.exclude_seen must be auto|yes|no"),
+        (cfg.eval.jobs >= 1, "eval.jobs must be >= 1"),
         (cfg.state.device_capacity >= 1, "state.device_capacity must be >= 1"),
         (
             cfg.state.length_buckets in ("auto", "on", "off"),

@@ -22,7 +22,8 @@ def test_eval_cli_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     argv = ["eval", "--dataset", "synthetic", "--models", "pop,not-yet-model"]
     assert main([*argv, "--out", str(out), *SET, *cache]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"dataset", "split", "models"}
+    assert set(summary) == {"dataset", "split", "models", "run"}
+    assert summary["run"]["jobs"] == 1 and summary["run"]["wall_seconds"] >= 0
     assert summary["dataset"] == "synthetic"
     sp = summary["split"]
     assert set(sp) == {
