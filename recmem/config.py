@@ -273,7 +273,9 @@ class ServerConfig:
     """Micro-batching window for concurrent requests: the longest a request waits for others."""
     adaptive_window: bool = True
     """Wait the window only under concurrency (the previous micro-batch had more than one
-    request, or more are queued); a lone request under light load runs at once."""
+    request, or more are queued), so a lone request under light load runs at once, and
+    close a micro-batch early once it holds the requests expected (the previous batch's
+    plus those queued while it ran)."""
     max_batch: int = 64
     """Most requests in one engine step."""
     tls_cert: str = ""
@@ -302,6 +304,10 @@ class ServerConfig:
     memory step is many small per-event operations, and the OpenMP workers of a thread
     other than the main one do not flush denormal floats (decaying states make those ~100x
     slower); see docs/ingest.md and bench/results/ingest_cpu.json."""
+    freeze_gc: bool = True
+    """When the service turns SERVING: one full garbage collection, then ``gc.freeze()``, so
+    Python's cyclic collector never walks the long-lived heap (notes, tails, vocabulary)
+    in the middle of a rank call (a full pass over the rank benchmark's heap takes ~0.3 s)."""
 
 
 @dataclass

@@ -188,7 +188,7 @@ class Ranker:
         """Size of the TRAIN catalog this ranker scores."""
         return self.model.n_items
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def rank(self, queries: Sequence[RankQuery]) -> list[RankResult]:
         """Rank a micro-batch; results in request order."""
         if not queries:
@@ -218,7 +218,11 @@ class Ranker:
         ]
         user_vec = base.h
         busy = [i for i, r in enumerate(final_rows) if len(r)]
-        if busy:
+        if len(busy) == len(queries):
+            # every row runs: the snapshot is already a private copy, no second one
+            items, actions, ts, lengths = _pad(final_rows, self.device)
+            user_vec = self.model.advance(items, actions, ts, lengths, base).state.h
+        elif busy:
             # only the rows with events run; the others keep their stored read-out
             rows = torch.as_tensor(busy, device=self.device)
             items, actions, ts, lengths = _pad([final_rows[i] for i in busy], self.device)

@@ -3,11 +3,15 @@ front-end threads, one engine step per batch).
 
 A request waits at most ``window_ms`` after the first request of its batch arrived, and a
 batch holds at most ``max_batch`` requests. With ``adaptive`` the window is only waited
-when the previous batch had more than one request or more are already queued: a lone
-request under light load runs at once, and under concurrency the requests that arrive
-while a batch runs form the next one. The worker calls ``handler(items)`` once per
-batch; the handler returns one result per item, in order. An exception in the handler
-fails every request of that batch (never the worker).
+when the previous batch had more than one request or more are already queued (a lone
+request under light load runs at once), and a batch closes early once it holds as many
+requests as are expected: the previous batch's requests plus those that queued while it
+ran. Under closed-loop load (each client sends its next request when the previous one is
+answered) that is the number of clients, so the window is not waited out once they are
+all back, and the stragglers of one batch do not form a small batch of their own that
+the others then wait for. The worker calls ``handler(items)`` once per batch; the handler
+returns one result per item, in order. An exception in the handler fails every request of
+that batch (never the worker).
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class MicroBatcher(Generic[T, R]):
         self._max_batch = max_batch
         self._adaptive = adaptive
         self._last_size = 0
+        self._expected = 1
+        """Adaptive: requests expected in the next batch (the last batch + those queued
+        while it ran)."""
         self._queue: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
         self._accepting = True
@@ -59,6 +66,8 @@ class MicroBatcher(Generic[T, R]):
         """Requests run so far."""
         self.largest_batch = 0
         """Most requests seen in one batch."""
+        self.busy_seconds = 0.0
+        """Wall time spent in the handler so far."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -84,11 +93,15 @@ class MicroBatcher(Generic[T, R]):
         batch = [first]  # type: ignore[list-item]
         stop = False
         wait = self._window_s
-        if self._adaptive and self._last_size <= 1 and self._queue.empty():
-            wait = 0.0
+        enough = self._max_batch
+        if self._adaptive:
+            if self._last_size <= 1 and self._queue.empty():
+                wait = 0.0
+            enough = min(self._expected, self._max_batch)
         deadline = time.monotonic() + wait
         while len(batch) < self._max_batch:
-            remaining = deadline - time.monotonic()
+            # once the expected requests are in, take only what is already queued
+            remaining = deadline - time.monotonic() if len(batch) < enough else 0.0
             try:
                 nxt = (
                     self._queue.get(timeout=remaining)
@@ -117,6 +130,7 @@ class MicroBatcher(Generic[T, R]):
             self.batches += 1
             self.requests += len(live)
             self.largest_batch = max(self.largest_batch, len(live))
+            began = time.perf_counter()
             try:
                 results = self._handler([item for item, _ in live])
                 if len(results) != len(live):
@@ -128,6 +142,9 @@ class MicroBatcher(Generic[T, R]):
                 for _, fut in live:
                     fut.set_exception(exc)
                 continue
+            finally:
+                self.busy_seconds += time.perf_counter() - began
+                self._expected = max(1, len(live) + self._queue.qsize())
             for (_, fut), res in zip(live, results):
                 fut.set_result(res)
         # Drain anything queued before the stop marker was seen.
