@@ -5,9 +5,11 @@ Every backend has the signature of ``naive.memory_scan_reference``:
 -> (y, S, M). ``eta=None`` selects the gated delta rule (no momentum).
 
 Backends: ``reference`` (the definition), ``recurrent`` (vectorised, one step per event),
-``chunk`` (exact chunked form for training, takes ``chunk_size``), ``triton`` (our fused
-CUDA kernel, forward only), and on CUDA machines with flash-linear-attention ``fla_chunk``
-and ``fla_recurrent`` (gated delta rule only; ``fla`` is an alias of ``fla_chunk``).
+``chunk`` (exact chunked form for training, takes ``chunk_size``), ``chunk_aligned`` (the
+chunked form for inference with chunks aligned to the Proteus schedule, no autograd, takes
+``chunk_size``), ``triton`` (our fused CUDA kernel, forward only), and on CUDA machines with
+flash-linear-attention ``fla_chunk`` and ``fla_recurrent`` (gated delta rule only; ``fla``
+is an alias of ``fla_chunk``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from models.memory.chunk import DEFAULT_CHUNK_SIZE, memory_scan_chunk
+from models.memory.chunk_aligned import aligned_chunk_size, memory_scan_chunk_aligned
 from models.memory.naive import memory_scan_reference
 from models.memory.recurrent import flush_denormals, memory_scan_recurrent
 from models.memory.triton_momentum import memory_scan_triton
@@ -34,9 +37,19 @@ BACKENDS: dict[str, ScanFn] = {
     "reference": memory_scan_reference,
     "recurrent": memory_scan_recurrent,
     "chunk": memory_scan_chunk,
+    "chunk_aligned": memory_scan_chunk_aligned,
     "triton": memory_scan_triton,
 }
 ALIASES = {"fla": "fla_chunk"}
+TAKES_CHUNK_SIZE = ("chunk", "chunk_aligned")
+
+CPU_CHUNK_MIN_EVENTS = 12
+"""On the CPU without gradients, ``auto`` runs batches at least this many events wide (T)
+in aligned chunks and narrower ones one event at a time (bench/bench_memory.py measures
+both paths per T; the chunked form touches the state once per chunk, not once per event,
+but pays a fixed set-up per call)."""
+CPU_CHUNK_MIN_SIZE = 4
+"""... and only when the aligned chunk (a divisor of the schedule's Delta) is this wide."""
 
 
 def _register_fla() -> None:
@@ -55,17 +68,31 @@ def _register_fla() -> None:
 _register_fla()
 
 
-def resolve_backend(name: str, device: torch.device, training: bool) -> str:
+def resolve_backend(
+    name: str,
+    device: torch.device,
+    training: bool,
+    *,
+    length: int | None = None,
+    chunk: int = 1,
+) -> str:
     """The backend ``auto`` stands for on this device; aliases resolve, other names pass.
 
     Training needs gradients: the chunked form everywhere. Inference: our Triton kernel on
-    CUDA (both variants), the vectorised recurrent path on CPU.
+    CUDA (both variants); on CPU the aligned chunked form for batches ``length`` >=
+    CPU_CHUNK_MIN_EVENTS events wide whose aligned chunk size ``chunk`` is >=
+    CPU_CHUNK_MIN_SIZE (no gradient wanted: ``length`` given), else the vectorised
+    recurrent path.
     """
     if name != "auto":
         return ALIASES.get(name, name)
     if training:
         return "chunk"
-    return "triton" if device.type == "cuda" else "recurrent"
+    if device.type == "cuda":
+        return "triton"
+    if length is not None and length >= CPU_CHUNK_MIN_EVENTS and chunk >= CPU_CHUNK_MIN_SIZE:
+        return "chunk_aligned"
+    return "recurrent"
 
 
 def memory_scan(
@@ -75,13 +102,22 @@ def memory_scan(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Run the scan on the backend ``backend`` resolves to; ``chunk_size`` goes to ``chunk``."""
+    """Run the scan on the backend ``backend`` resolves to; ``chunk_size`` goes to the
+    chunked forms. ``auto`` picks per call, by the batch's width T, on the CPU."""
     q = args[0] if args else kwargs["q"]
-    name = resolve_backend(backend, q.device, training)
+    length = None
+    if not (torch.is_grad_enabled() and any(_needs_grad(a) for a in (*args, *kwargs.values()))):
+        length = q.shape[1]
+    chunk = aligned_chunk_size(chunk_size, kwargs["n_blocks"], kwargs["horizon"])
+    name = resolve_backend(backend, q.device, training, length=length, chunk=chunk)
     if name not in BACKENDS:
         raise ValueError(
             f"memory backend {name!r} is not available here (have: {sorted(BACKENDS)})"
         )
-    if name == "chunk":
+    if name in TAKES_CHUNK_SIZE:
         kwargs["chunk_size"] = chunk_size
     return BACKENDS[name](*args, **kwargs)
+
+
+def _needs_grad(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
