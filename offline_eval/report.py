@@ -91,6 +91,56 @@ def plot_by_position(path: Path, by_position: dict[str, dict[str, dict[str, Any]
     return True
 
 
+def memory_grid(models: dict[str, Any]) -> list[tuple[str, int, int, dict[str, Any]]]:
+    """(name, E, N, entry) of the available memory models, sorted by (N, E), when they span
+    at least three (E, N) settings (an ablation); else empty."""
+    rows = []
+    for name, e in models.items():
+        mem = e.get("config", {}).get("memory")
+        if (
+            _available(e)
+            and isinstance(mem, dict)
+            and "n_blocks" in mem
+            and "notebank" not in e["config"]
+        ):
+            rows.append((name, int(mem["n_blocks"]), int(mem["horizon"]), e))
+    if len({(E, N) for _, E, N, _ in rows}) < 3:
+        return []
+    return sorted(rows, key=lambda r: (r[2], r[1]))
+
+
+def plot_ablation(path: Path, grid: list[tuple[str, int, int, dict[str, Any]]]) -> bool:
+    """TEST NDCG@10 (overall, solid; LONG-TERM, dashed) against E, one colour per N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not grid:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for N in sorted({r[2] for r in grid}):
+        pts = sorted((E, e) for _, E, n, e in grid if n == N)
+        xs = [E for E, _ in pts]
+        line = ax.plot(xs, [e["overall"]["ndcg@10"] for _, e in pts], marker="o", label=f"N={N}")
+        ax.plot(
+            xs,
+            [e["long_term"]["ndcg@10"] for _, e in pts],
+            marker="s",
+            linestyle="--",
+            color=line[0].get_color(),
+            label=f"N={N} LONG-TERM",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("E (Proteus blocks; E = 1 is the static memory)")
+    ax.set_ylabel("TEST NDCG@10")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
 def _save(fig: Any, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}.png")
     fig.savefig(tmp, dpi=110)
@@ -159,6 +209,17 @@ def render_report(
         ]
         header = ["model", "overrides", "overall", *[STRATUM_TITLES[s] for s in STRATA]]
         lines += _table(header, rows)
+    grid = memory_grid(models)
+    if grid:
+        lines += ["", "## Proteus ablation: E blocks x N horizon (TEST NDCG@10)", ""]
+        header = ["model", "E", "N", "overall", *[STRATUM_TITLES[s] for s in STRATA]]
+        header += ["best epoch", "train s"]
+        rows = [
+            [name, E, N, *[e[g]["ndcg@10"] for g in ("overall", *STRATA)]]
+            + [e["config"].get("best_epoch"), e["train_seconds"]]
+            for name, E, N, e in grid
+        ]
+        lines += _table(header, rows)
     if by_position:
         labels = position_bucket_labels()
         lines += ["", "## By the target's event position (TEST)", ""]
@@ -204,6 +265,8 @@ def write_report(
         plots.append(("NDCG@10 by stratum", "strata_ndcg10.png"))
     if plot_by_position(out / "by_position.png", by_position):
         plots.append(("Loss and NDCG@10 by event position", "by_position.png"))
+    if plot_ablation(out / "ablation_ndcg10.png", memory_grid(summary["models"])):
+        plots.append(("NDCG@10 against E and N", "ablation_ndcg10.png"))
     text = render_report(
         summary,
         by_position,

@@ -12,15 +12,32 @@ the two identical: beta k_f = theta k~ and S'^T k_f = S^T k~. This needs alpha <
 Variable lengths go in packed (B = 1, ``cu_seqlens``); users with no new events keep S0.
 fla's kernels need CUDA; this module only imports fla when called. fla has no momentum
 rule we can use, so eta must be None here.
+
+Precision: fla's chunk kernels multiply float32 through Triton's default dot precision,
+TF32, which put ``chunk_kda`` at 1.25e-3 relative error against the float64 reference on an
+H200 (bench/results/memory_gpu_h200.json), over our 1e-3 bar. With three-pass TF32
+(``TRITON_F32_DEFAULT=tf32x3``) or IEEE fp32 it is 9.9e-5 (memory_gpu_h200_fla_*.json), so
+the chunk path sets ``TRITON_F32_DEFAULT=tf32x3`` for the process before its first launch
+(forward and backward kernels compile after it) unless the variable is already set.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from models.memory.recurrent import event_positions, masked_qk
+
+F32_DOTS_ENV = "TRITON_F32_DEFAULT"
+F32_DOTS = "tf32x3"
+"""Triton's float32 dot precision for fla's chunk kernels (see the module docstring)."""
+
+
+def precise_f32_dots() -> str:
+    """Set ``TRITON_F32_DEFAULT`` to tf32x3 unless the user chose a value; returns it."""
+    return os.environ.setdefault(F32_DOTS_ENV, F32_DOTS)
 
 
 def _fla_scan(
@@ -45,6 +62,8 @@ def _fla_scan(
             "fla backends cover only the gated delta rule (eta None); "
             "use backend 'triton' or 'chunk' for the momentum rule"
         )
+    if mode == "chunk":
+        precise_f32_dots()
     B, T, H, K = q.shape
     V = v.shape[-1]
     y = v.new_zeros(B, T, H, V)

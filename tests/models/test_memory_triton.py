@@ -169,3 +169,23 @@ def test_fla_reparameterisation_in_interpreter():
         text=True, timeout=120,
     )  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+def test_fla_chunk_dots_default_to_three_pass_tf32(monkeypatch):
+    """chunk_kda misses the 1e-3 bar under Triton's TF32 default; the chunk path asks for
+    tf32x3 unless the user chose a precision."""
+    from models.memory import fla_gated
+
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    assert fla_gated.precise_f32_dots() == "tf32x3"
+    assert os.environ["TRITON_F32_DEFAULT"] == "tf32x3"
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert fla_gated.precise_f32_dots() == "ieee"
+    monkeypatch.delenv("TRITON_F32_DEFAULT")
+    q = torch.zeros(1, 2, 1, 4)
+    with pytest.raises(ValueError, match="momentum"):  # refused before any kernel runs
+        fla_gated.memory_scan_fla_chunk(
+            q, q, q, q[..., 0], q[..., 0], q[..., 0], torch.zeros(1, 1, 4, 4), None,
+            torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64),
+            n_blocks=1, horizon=4,
+        )  # fmt: skip
