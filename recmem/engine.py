@@ -183,6 +183,7 @@ class Engine:
         """Row sets of the batch, one ``advance`` each: all rows at once, or (with
         ``state.length_buckets``) users grouped by power-of-two length so that padding stays
         below 2x the events; any set larger than the slab is cut into slab-sized pieces.
+        Each set lists its users longest first.
         Buckets pay on the CPU path (padded steps cost as much as real ones); on the GPU they
         only add launches, so ``auto`` leaves them off there."""
         mode = self.cfg.state.length_buckets
@@ -191,6 +192,8 @@ class Engine:
             groups = [np.nonzero(bucket == b)[0] for b in np.unique(bucket)[::-1]]
         else:
             groups = [np.arange(len(lengths))]
+        # longest first: the chunked CPU scan then runs each chunk on a prefix of the users
+        groups = [g[np.argsort(-lengths[g], kind="stable")] for g in groups]
         cap = self.store.capacity
         return [g[i : i + cap] for g in groups for i in range(0, len(g), cap)]
 

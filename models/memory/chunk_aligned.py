@@ -20,12 +20,9 @@ times per event. The derivation is in docs/memory.md ("Aligned chunks for infere
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from models.memory.chunk import _pair_products
 from models.memory.naive import L2_EPS
 from models.memory.proteus import open_rows_tensor, schedule_delta
 from models.memory.recurrent import _denormals_flushed, event_positions
@@ -36,6 +33,18 @@ def aligned_chunk_size(chunk_size: int, n_blocks: int, horizon: int) -> int:
     on chunk boundaries once events are shifted by ``pos0 mod C``)."""
     delta = schedule_delta(n_blocks, horizon)
     return max(c for c in range(1, max(1, chunk_size) + 1) if delta % c == 0)
+
+
+def _pair_products(g: torch.Tensor) -> torch.Tensor:
+    """P[..., i, s] = prod_{r=s+1..i} g[..., r] for i >= s, 0 above the diagonal.
+
+    g: [..., C] -> [..., C, C]; cumulative products, never ratios (gates may be 0).
+    """
+    C = g.shape[-1]
+    lower = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
+    # x[..., s, i] = g_i for i > s, else 1: the running product along i starts after s
+    x = torch.where(~lower, g[..., None, :], torch.ones((), dtype=g.dtype, device=g.device))
+    return x.cumprod(-1).transpose(-1, -2) * lower
 
 
 @torch.no_grad()
@@ -70,66 +79,76 @@ def memory_scan_chunk_aligned(
 
         # Event (b, t) goes to column shift[b] + t: slot c of chunk n. A user whose events
         # cross a mask change is shifted by pos0 mod C (the change then opens a chunk); the
-        # others keep one mask throughout and are not shifted. Per chunk the (user, head)
-        # matrices are laid out [N, B*H, C, ...]; padding cells stay zero.
+        # others keep one mask throughout and are not shifted. Chunk n runs on the users up
+        # to the last one that still has events in it (callers that order users by length,
+        # longest first, as the engine does, waste nothing), so the (chunk, user, head)
+        # matrices are stored ragged: [R, C, ...], chunk n's at rows offset[n] * H onwards.
+        # Padding cells stay zero.
         first, last = (open_rows_tensor(pos0 + d, K, n_blocks, horizon) for d in (1, lengths))
-        shift = torch.where(first != last, torch.remainder(pos0, C), 0)
-        N = max(1, math.ceil(int((shift + lengths).max()) / C))
-        BH = B * H
+        shift = torch.where((first != last) & (lengths > 0), torch.remainder(pos0, C), 0)
+        n_chunks = torch.div(shift + lengths + C - 1, C, rounding_mode="floor")
+        N = int(n_chunks.max())
+        if N == 0:
+            return v.new_zeros(v.shape), S0.clone(), None if M0 is None else M0.clone()
+        users = torch.arange(1, B + 1, device=dev)
+        active_t = ((n_chunks[None, :] > torch.arange(N, device=dev)[:, None]) * users).amax(1)
+        offset_t = torch.cumsum(active_t, 0) - active_t
+        active, offset = active_t.tolist(), offset_t.tolist()
+        R = (offset[-1] + active[-1]) * H
         b_idx, t_idx = (positions > 0).nonzero(as_tuple=True)
         col = shift[b_idx] + t_idx
-        chunk_user = torch.div(col, C, rounding_mode="floor") * B + b_idx
+        chunk_user = offset_t[torch.div(col, C, rounding_mode="floor")] + b_idx
         mat = chunk_user[:, None] * H + torch.arange(H, device=dev)  # [events, H]
         slot = torch.remainder(col, C)[:, None]
+        events = b_idx * T + t_idx
 
         def place(
-            x: torch.Tensor, rows: int, offset: int = 0, out: torch.Tensor | None = None
+            x: torch.Tensor, rows: int, at: int = 0, out: torch.Tensor | None = None
         ) -> torch.Tensor:
-            """Scatter the events' [H, D] rows of x [B, T, H, D] into [N * BH * rows, D]."""
+            """Copy the events' [H, D] rows of x [B, T, H, D] to [R * rows, D]."""
+            D = x.shape[-1]
             if out is None:
-                out = x.new_zeros(N * BH * rows, x.shape[-1])
-            out[mat * rows + offset + slot] = x[b_idx, t_idx]
-            return out
+                out = x.new_zeros(R * rows, D)
+            src = x.reshape(B * T, H * D).index_select(0, events).view(-1, D)
+            return out.index_copy_(0, (mat * rows + at + slot).flatten(), src)
 
         kq = place(k, 2 * C)  # rows 0..C-1 of a chunk: k, C..2C-1: q
-        kq = place(q, 2 * C, C, out=kq).view(N, BH, 2 * C, K)
+        kq = place(q, 2 * C, C, out=kq).view(R, 2 * C, K)
         # The Proteus mask is one per (chunk, user): mask, then normalise, in place.
         rows_open = open_rows_tensor(positions[b_idx, t_idx], K, n_blocks, horizon)
-        open_n = rows_open.new_zeros(N * B).scatter_reduce_(0, chunk_user, rows_open, "amax")
-        row_open = torch.arange(K, device=dev) < open_n.view(N, B, 1, 1)  # [N, B, 1, K]
-        kq.view(N, B, H * 2 * C, K).mul_(row_open)
+        open_n = rows_open.new_zeros(R // H).scatter_reduce_(0, chunk_user, rows_open, "amax")
+        row_open = torch.arange(K, device=dev) < open_n[:, None, None]  # [R / H, 1, K]
+        kq.view(R // H, H * 2 * C, K).mul_(row_open)
         if qk_l2norm:
-            kq.mul_(torch.rsqrt(torch.linalg.vecdot(kq, kq)[..., None] + L2_EPS))
-        kc = kq[:, :, :C]
-        vc = place(v, C).view(N, BH, C, V)
+            norm = torch.linalg.vector_norm(kq, dim=-1, keepdim=True)
+            kq.mul_(torch.rsqrt(norm.square_().add_(L2_EPS)))
+        kc = kq[:, :C]
+        vc = place(v, C).view(R, C, V)
         ones = torch.ones_like(theta)
         gates = [ones, theta, alpha] + ([eta] if momentum and eta is not None else [])
-        g = place(torch.stack(gates, -1), C).view(N, BH, C, len(gates))  # padding: all 0
+        g = place(torch.stack(gates, -1), C).view(R, C, len(gates))  # padding: all 0
         on, th = g[..., 0], g[..., 1]
         a = 1 - g[..., 2]  # padding: 1
         e = 1 + (g[..., 3] - 1) * on if momentum else 1 - on  # no momentum: M restarts
-        row_open = row_open[..., None].expand(N, B, H, K, 1).reshape(N, BH, K, 1)
+        row_open = row_open[..., None].expand(R // H, H, K, 1).reshape(R, K, 1)
 
-        A = _pair_products(a[..., None]).squeeze(-1)  # [N, BH, C(i), C(s)]
-        Ep = _pair_products(e[..., None]).squeeze(-1)
+        A, Ep = _pair_products(torch.stack([a, e]))  # [R, C(i), C(s)] each
+        a_pre, e_pre = torch.stack([a, e]).cumprod(-1)  # A_{i,0}: prod of a through i
         Ao = A * on[..., None, :]
-        G = Ao @ Ep  # G_{i,s} = sum_r A_{i,r} o_r E_{r,s}
-        a_pre = torch.cumprod(a, dim=-1)  # A_{i,0}: prod of a through i
+        G = Ao @ Ep  # G_{i,s} = sum_r A_{i,r} o_r E_{r,s}; 0 for s > i
         a_prev = F.pad(a_pre[..., :-1], (1, 0), value=1.0)
-        dots = kq @ (kc * th[..., None]).transpose(-1, -2)  # [k~; q~] . theta_s k~_s
-        G_prev = F.pad(G[..., :-1, :], (0, 0, 1, 0))
-        Lmat = torch.tril(dots[:, :, :C] * G_prev, diagonal=-1)
+        dots = torch.bmm(kq, kc.transpose(-1, -2)).mul_(th[:, None, :])  # [k~; q~] . th_s k~_s
+        G_prev = F.pad(G[..., :-1, :], (0, 0, 1, 0))  # 0 for s >= i
         eye = torch.eye(C, dtype=q.dtype, device=dev)
         inv = torch.linalg.solve_triangular(
-            Lmat + eye, eye.expand_as(Lmat), upper=False, unitriangular=True
+            dots[:, :C] * G_prev + eye, eye.expand(R, C, C), upper=False, unitriangular=True
         )
-        P = torch.tril(dots[:, :, C:] * G)
+        P = dots[:, C:] * G
         inv_a = inv * a_prev[..., None, :]  # w = inv (a_prev k S + F_prev k M - v)
         inv_v = inv @ vc
         keep_S = torch.where(row_open, a_pre[..., -1, None, None], 1.0)
         g_w = [G[..., -1, :, None] * th[..., None]]  # S -= k~^T (G_{C-1,s} theta_s w_s)
         if momentum:
-            e_pre = torch.cumprod(e, dim=-1)
             Fv = (Ao @ e_pre[..., None]).squeeze(-1)  # F_i
             inv_F = inv * F.pad(Fv[..., :-1], (1, 0))[..., None, :]
             S_from_M = torch.where(row_open, Fv[..., -1, None, None], 0.0)
@@ -137,36 +156,40 @@ def memory_scan_chunk_aligned(
             g_w.append(Ep[..., -1, :, None] * th[..., None])  # M -= k~^T (E_{C-1,s} ...)
 
         # State per (user, head): [K, 2V] = [S | M]; reads and writes share k~.
-        state = (
-            torch.cat([S0, M0], dim=-1)
-            if momentum and M0 is not None
-            else S0.clone(memory_format=torch.contiguous_format)
-        )
+        if momentum and M0 is not None:
+            state = torch.cat([S0, M0], -1)
+        else:
+            state = S0.clone(memory_format=torch.contiguous_format)
+        BH = B * H
         state = state.reshape(BH, K, -1)
-        S, M = state[..., :V], state[..., V:]
-        reads = v.new_empty(N, BH, 2 * C, state.shape[-1])
-        W = v.new_empty(N, BH, C, V)
-        gw = v.new_empty(BH, C, state.shape[-1])
+        reads = v.new_empty(R, 2 * C, state.shape[-1])
+        W = v.new_empty(R, C, V)
+        gw_all = v.new_empty(BH, C, state.shape[-1])
         for n in range(N):
-            x = torch.bmm(kq[n], state, out=reads[n])
-            w = torch.baddbmm(inv_v[n], inv_a[n], x[:, :C, :V], alpha=1.0, beta=-1.0, out=W[n])
+            lo, hi = offset[n] * H, (offset[n] + active[n]) * H
+            st, gw = state[: hi - lo], gw_all[: hi - lo]
+            S, M = st[..., :V], st[..., V:]
+            x = torch.bmm(kq[lo:hi], st, out=reads[lo:hi])
+            w = torch.baddbmm(inv_v[lo:hi], inv_a[lo:hi], x[:, :C, :V], beta=-1.0, out=W[lo:hi])
             if momentum:
-                w.baddbmm_(inv_F[n], x[:, :C, V:])
-            torch.mul(w, g_w[0][n], out=gw[..., :V])
-            S.mul_(keep_S[n])
+                w.baddbmm_(inv_F[lo:hi], x[:, :C, V:])
+            torch.mul(w, g_w[0][lo:hi], out=gw[..., :V])
+            S.mul_(keep_S[lo:hi])
             if momentum:
-                torch.mul(w, g_w[1][n], out=gw[..., V:])
-                S.addcmul_(M, S_from_M[n])
-                M.mul_(keep_M[n])
-            state.baddbmm_(kc[n].transpose(-1, -2), gw, alpha=-1.0)
+                torch.mul(w, g_w[1][lo:hi], out=gw[..., V:])
+                S.addcmul_(M, S_from_M[lo:hi])
+                M.mul_(keep_M[lo:hi])
+            st.baddbmm_(kc[lo:hi].transpose(-1, -2), gw, alpha=-1.0)
 
-        Y = reads[:, :, C:, :V] * a_pre[..., None]  # y = A_{i,0} q S + F_i q M - P W
+        Y = reads[:, C:, :V] * a_pre[..., None]  # y = A_{i,0} q S + F_i q M - P W
         if momentum:
-            Y.addcmul_(reads[:, :, C:, V:], Fv[..., None])
-        Y.view(N * BH, C, V).baddbmm_(P.reshape(N * BH, C, C), W.view(N * BH, C, V), alpha=-1.0)
-        y = v.new_zeros(B, T, H, V)
-        y[b_idx, t_idx] = Y.view(-1, V)[mat * C + slot]
+            Y.addcmul_(reads[:, C:, V:], Fv[..., None])
+        Y.baddbmm_(P, W, alpha=-1.0)
+        y = v.new_zeros(B * T, H * V)
+        y.index_copy_(
+            0, events, Y.view(-1, V).index_select(0, (mat * C + slot).flatten()).view(-1, H * V)
+        )
         state = state.view(B, H, K, -1)
         S_out = state[..., :V]
         M_out = state[..., V:] if momentum else M0
-        return y, S_out, M_out
+        return y.view(B, T, H, V), S_out, M_out

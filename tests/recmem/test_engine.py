@@ -180,3 +180,44 @@ def test_archive_hook_gets_kq_and_positions(tmp_path):
         assert kshape == (len(users), int(lengths.max()), 2, 2, 8)
         for u, p in zip(users, positions):
             assert p == first.get(u, 0)
+
+
+def test_bursts_run_in_aligned_chunks_and_equal_the_recurrent_path(tmp_path, monkeypatch):
+    """Users with long runs in a micro-batch take the chunked CPU scan (auto); the states
+    equal one event-at-a-time pass per user through the recurrent path."""
+    from models.memory import ops
+
+    calls = []
+    real = ops.BACKENDS["chunk_aligned"]
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(ops.BACKENDS, "chunk_aligned", counted)
+    cfg = small_config()
+    cfg.memory.horizon = 64  # Delta 16: aligned chunks of 16 events
+    engine = make_engine(tmp_path, cfg=cfg)
+    rng = np.random.default_rng(3)
+    events, batches = [], []
+    for _ in range(4):
+        batch = []
+        for u in range(5):
+            for _ in range(int(rng.integers(0, 45))):
+                ts = 10**12 + 1000 * len(events)
+                e = ValidEvent(f"user{u}", f"i{int(rng.integers(40))}", ts, 1, 1.0, None, u % 3, 0)
+                batch.append(e)
+                events.append(e)
+        batches.append(batch)
+    for batch in batches:
+        engine.apply(batch)
+    assert calls and max(calls) >= ops.CPU_CHUNK_MIN_EVENTS
+    monkeypatch.setattr(engine.model.mem_cfg, "backend", "recurrent")
+    ref = reference_states(engine, events)
+    users = sorted(ref)
+    got = engine.snapshot(users)
+    for i, u in enumerate(users):
+        assert int(got.pos[i]) == int(ref[u].pos[0]) == sum(e.user_id == u for e in events)
+        torch.testing.assert_close(got.S[i], ref[u].S[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.M[i], ref[u].M[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.h[i], ref[u].h[0], rtol=1e-4, atol=1e-5)
