@@ -136,6 +136,11 @@ class EvalConfig:
     already interacted with from the ranking."""
     batch_users: int = 256
     """Users evaluated per batch."""
+    checkpoint: str = ""
+    """A trained memory model (``recmem train --out DIR``: the DIR) that ``memory-proteus``
+    and ``memory-proteus-notebank`` evaluate instead of training one; it must have been
+    trained on the same split (vocabulary and boundaries are checked). Its memory and model
+    sections replace the configured ones. Empty: train."""
     jobs: int = 1
     """``recmem eval``: models trained and evaluated at once, each in its own worker process
     (spread over the visible GPUs; without a GPU each gets its share of the CPU cores).
@@ -269,7 +274,7 @@ class ServerConfig:
     """Most candidate ids in one request."""
     max_context_events: int = 256
     """Most context events in one request."""
-    batch_window_ms: float = 2.0
+    batch_window_ms: float = 4.0
     """Micro-batching window for concurrent requests: the longest a request waits for others."""
     adaptive_window: bool = True
     """Wait the window only under concurrency (the previous micro-batch had more than one

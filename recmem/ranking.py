@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -77,6 +77,18 @@ class UserEvents:
 
 
 @dataclass(frozen=True)
+class Prefetched:
+    """What ``Ranker.prepare`` read ahead for a replay request without context."""
+
+    version: int
+    """The user's change counter (``RankSources.versions``) read before the rest."""
+    query_events: UserEvents
+    """The user's latest events (the routing query, re-read after the replay)."""
+    notes: tuple[UserEvents, ...] | None
+    """The notes routed on their stored q~; None when no q~ was stored (computed later)."""
+
+
+@dataclass(frozen=True)
 class RankQuery:
     """One validated request. ``candidates``: encoded TRAIN item indices, None = catalog."""
 
@@ -86,6 +98,8 @@ class RankQuery:
     replay_notes: int = 0
     """R; 0 = replay off."""
     context: UserEvents = field(default_factory=UserEvents.empty)
+    prefetched: Prefetched | None = None
+    """Set by ``Ranker.prepare``; used only while the user's notes and tail are unchanged."""
 
 
 @dataclass
@@ -127,6 +141,11 @@ class RankSources(Protocol):
 
     def route(self, user_id: str, queries: torch.Tensor, n_notes: int) -> list[UserEvents]:
         """Top ``n_notes`` notes for masked queries q~ [Q, L, H, K], in time order."""
+        ...
+
+    def versions(self, user_ids: Sequence[str]) -> list[int] | None:
+        """Per user, a counter that moves whenever the user's recent events (and their q~)
+        or notes change; None when not tracked (then nothing is read ahead)."""
         ...
 
 
@@ -188,6 +207,27 @@ class Ranker:
         """Size of the TRAIN catalog this ranker scores."""
         return self.model.n_items
 
+    def prepare(self, query: RankQuery) -> RankQuery:
+        """Read ahead, in the calling thread, what the rank step of a replay request without
+        context reads besides the state: the user's latest events and the notes routed on
+        their stored q~. The service calls it in the gRPC handler thread, so this work
+        overlaps the micro-batch that runs meanwhile instead of adding to the next one.
+        ``rank`` uses the result only when the user's counter (``RankSources.versions``),
+        read after the state snapshot, still equals the one read here before the rest:
+        then the tail and notes are the ones ``rank`` would read itself; otherwise it reads
+        them again. The answer is the same either way."""
+        if not query.replay_notes or len(query.context) or query.prefetched is not None:
+            return query
+        version = self.sources.versions([query.user_id])
+        if version is None:
+            return query
+        events = self.sources.recent_events(query.user_id, self.query_events)
+        stored = self.sources.recent_queries(query.user_id, self.query_events)
+        notes = None
+        if len(events) and stored is not None and len(stored) == len(events):
+            notes = tuple(self.sources.route(query.user_id, stored, query.replay_notes))
+        return replace(query, prefetched=Prefetched(version[0], events, notes))
+
     @torch.inference_mode()
     def rank(self, queries: Sequence[RankQuery]) -> list[RankResult]:
         """Rank a micro-batch; results in request order."""
@@ -195,22 +235,31 @@ class Ranker:
             return []
         self.model.eval()
         self.batches += 1
-        base = self._move(self.sources.snapshot([q.user_id for q in queries]))
+        users = [q.user_id for q in queries]
+        base = self._move(self.sources.snapshot(users))
+        # after the snapshot: an engine step between a read-ahead and here moved the counter
+        versions = self.sources.versions(users) if any(q.prefetched for q in queries) else None
         live_pos = base.pos.tolist()
         cold = [p == 0 and len(q.context) == 0 for p, q in zip(live_pos, queries)]
 
         # Query events: the context, else (replay only) the user's latest events.
         query_ev: list[UserEvents] = []
         stored_q: list[torch.Tensor | None] = []
-        for q, p in zip(queries, live_pos):
+        routed: list[tuple[UserEvents, ...] | None] = [None] * len(queries)
+        for i, (q, p) in enumerate(zip(queries, live_pos)):
+            pf = q.prefetched
             if len(q.context) or not q.replay_notes or p == 0:
                 query_ev.append(q.context)
                 stored_q.append(None)
+            elif pf is not None and versions is not None and versions[i] == pf.version:
+                query_ev.append(pf.query_events)
+                stored_q.append(None)
+                routed[i] = pf.notes
             else:
                 query_ev.append(self.sources.recent_events(q.user_id, self.query_events))
                 stored_q.append(self.sources.recent_queries(q.user_id, self.query_events))
 
-        notes = self._route(queries, base, query_ev, stored_q, live_pos)
+        notes = self._route(queries, base, query_ev, stored_q, live_pos, routed)
 
         final_rows = [
             UserEvents.concat([*ns, qe]) if ns else q.context
@@ -263,9 +312,11 @@ class Ranker:
         query_ev: Sequence[UserEvents],
         stored_q: Sequence[torch.Tensor | None],
         live_pos: Sequence[int],
+        routed: Sequence[tuple[UserEvents, ...] | None],
     ) -> list[list[UserEvents]]:
-        """Notes to replay per request: q~ of the query events (stored, or one kq pass on a
-        temporary copy for the rest), then the archive's vote per user."""
+        """Notes to replay per request: already routed (read ahead), else q~ of the query
+        events (stored, or one kq pass on a temporary copy for the rest), then the
+        archive's vote per user."""
         want = [
             i
             for i, q in enumerate(queries)
@@ -276,7 +327,10 @@ class Ranker:
         todo = []
         for i in want:
             got = stored_q[i]
-            if got is not None and len(got) == len(query_ev[i]):
+            ready = routed[i]
+            if ready is not None:
+                notes[i] = list(ready)
+            elif got is not None and len(got) == len(query_ev[i]):
                 q_tilde[i] = got
             else:
                 todo.append(i)
@@ -287,7 +341,7 @@ class Ranker:
             assert res.kq is not None
             for j, i in enumerate(todo):
                 q_tilde[i] = res.kq[1][j, : int(lengths[j])]
-        for i in want:
+        for i in q_tilde:
             notes[i] = self.sources.route(queries[i].user_id, q_tilde[i], queries[i].replay_notes)
         return notes
 

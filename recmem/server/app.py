@@ -100,6 +100,7 @@ class RankServer:
             inspector,
             timeout_s=s.request_timeout_s,
             metrics=self.metrics,
+            prepare=getattr(ranker, "prepare", None),  # optional: Ranker reads ahead
         )
         rank_pb2_grpc.add_RecMemServicer_to_server(servicer, self.server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()

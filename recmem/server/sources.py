@@ -39,6 +39,9 @@ class RecentEventsHook:
         self._tails: dict[str, UserEvents] = {}
         self._queries: dict[str, np.ndarray] = {}
         """user -> q~ [n, L, H, K] of the tail events (float32, host)."""
+        self._versions: dict[str, int] = {}
+        """user -> the clock when the user's tail or notes last changed (see ``versions``)."""
+        self._clock = 0
         self._lock = threading.Lock()
 
     def observe(
@@ -72,8 +75,26 @@ class RecentEventsHook:
                     both.items[-k:].copy(), both.actions[-k:].copy(), both.ts_ms[-k:].copy()
                 )
                 self._queries[user] = q[-k:].copy()
-        if self.inner is not None:
-            self.inner.observe(user_ids, items, actions, ts_ms, lengths, kq, positions)
+        try:
+            if self.inner is not None:
+                self.inner.observe(user_ids, items, actions, ts_ms, lengths, kq, positions)
+        finally:
+            self._touch([user_ids[b] for b in rows])
+
+    def _touch(self, user_ids: Sequence[str]) -> None:
+        """Move the users' counters, after their tails and notes changed."""
+        with self._lock:
+            self._clock += 1
+            for user in user_ids:
+                self._versions[user] = self._clock
+
+    def versions(self, user_ids: Sequence[str]) -> list[int]:
+        """Per user, the clock of the last change to the user's tail or notes (-1: none
+        since this hook started). Every change goes through this hook (``observe``,
+        ``import_notes``, ``drop``) and moves the counter once the change is complete, so
+        a tail and notes read after a counter value are current while it stays put."""
+        with self._lock:
+            return [self._versions.get(u, -1) for u in user_ids]
 
     def recent(self, user_id: str, n: int) -> UserEvents:
         with self._lock:
@@ -128,16 +149,22 @@ class RecentEventsHook:
                             )
                             if queries is not None:
                                 self._queries[user] = queries[s:e].astype(np.float32)
-        if self.inner is not None:
-            self.inner.import_notes(user_ids, rest or None)
+        try:
+            if self.inner is not None:
+                self.inner.import_notes(user_ids, rest or None)
+        finally:
+            self._touch(user_ids)
 
     def drop(self, user_ids: list[str]) -> None:
         with self._lock:
             for user in user_ids:
                 self._tails.pop(user, None)
                 self._queries.pop(user, None)
-        if self.inner is not None:
-            self.inner.drop(user_ids)
+        try:
+            if self.inner is not None:
+                self.inner.drop(user_ids)
+        finally:
+            self._touch(user_ids)  # a fresh value, never -1 again (no A-B-A for read-aheads)
 
 
 class EngineSources:
@@ -188,6 +215,9 @@ class EngineSources:
             return None
         q = self.recent.recent_queries(user_id, n)
         return None if q is None else torch.from_numpy(q)
+
+    def versions(self, user_ids: Sequence[str]) -> list[int] | None:
+        return self.recent.versions(user_ids) if self.recent is not None else None
 
     def route(self, user_id: str, queries: torch.Tensor, n_notes: int) -> list[UserEvents]:
         if self.bank is None:

@@ -228,13 +228,13 @@ def test_health_serving_and_reflection_lists_service(channel: grpc.Channel) -> N
 
 
 def test_concurrent_requests_are_micro_batched(env: RankEnv) -> None:
+    saved = env.cfg.server.batch_window_ms, env.cfg.server.adaptive_window
     env.cfg.server.batch_window_ms = 300.0
     env.cfg.server.adaptive_window = False
     try:
         srv = start(env)
     finally:
-        env.cfg.server.batch_window_ms = 2.0
-        env.cfg.server.adaptive_window = True
+        env.cfg.server.batch_window_ms, env.cfg.server.adaptive_window = saved
     try:
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             stub = rank_pb2_grpc.RecMemStub(ch)
