@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from typing import Any
 
 from models.recommender import MemoryRecommender
 from models.sasrec import SASRec
-from models.train import TrainResult
+from models.train import TrainResult, pick_device
 from offline_eval.evaluate import Scorer
 from offline_eval.notebank_eval import NotebankScorer
 from offline_eval.runner import register_model
 from offline_eval.split import TimeSplit
 from offline_eval.training import train_on_split
 from recmem.config import Config
+from recmem.modelstore import adopt_model_config, load_model
+
+log = logging.getLogger(__name__)
 
 
 def _describe(kind: str, cfg: Config, result: TrainResult) -> dict[str, Any]:
@@ -64,10 +68,42 @@ memory-proteus-notebank of one ``recmem eval`` share it, so replay is compared o
 weights (and trained once)."""
 
 
+def load_checkpoint_for_split(
+    split: TimeSplit, cfg: Config
+) -> tuple[MemoryRecommender, TrainResult]:
+    """The memory model saved at ``cfg.eval.checkpoint`` (on the training device), after
+    checking it was trained on ``split``; ``cfg`` takes its memory and model sections."""
+    path = cfg.eval.checkpoint
+    model, vocab, model_cfg, extra = load_model(path, pick_device(cfg.train.device))
+    if not isinstance(model, MemoryRecommender):
+        raise ValueError(f"eval.checkpoint {path}: a {type(model).__name__}, not a memory model")
+    if vocab.to_dict() != split.vocab.to_dict():
+        raise ValueError(
+            f"eval.checkpoint {path}: its item vocabulary differs from the split's "
+            f"({vocab.n_items} vs {split.n_items} items); evaluate it on the split it was "
+            "trained on"
+        )
+    trained = extra.get("split", {})
+    here = (split.boundary_valid_ts, split.boundary_test_ts)
+    there = (trained.get("boundary_valid_ts"), trained.get("boundary_test_ts"))
+    if there != here:
+        raise ValueError(
+            f"eval.checkpoint {path}: trained with split boundaries {there}, the split here has "
+            f"{here}; its weights may have seen these TEST events"
+        )
+    adopt_model_config(cfg, model_cfg)
+    result = TrainResult(stopped="checkpoint", train_seconds=0.0)
+    log.info("evaluating the trained model at %s (version %s)", path, extra["model_version"])
+    return model, result
+
+
 def _train_memory_proteus(
     split: TimeSplit, cfg: Config
 ) -> tuple[MemoryRecommender | SASRec, TrainResult, bool]:
     global _last_memory
+    if cfg.eval.checkpoint:
+        loaded, result = load_checkpoint_for_split(split, cfg)
+        return loaded, result, False
     sections = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("memory", "model", "train")}
     key = (id(split), repr(sorted(sections.items())))
     if _last_memory is not None and _last_memory[0] == key:
@@ -78,20 +114,26 @@ def _train_memory_proteus(
 
 
 def make_memory_proteus(split: TimeSplit, cfg: Config) -> tuple[Scorer, float, dict[str, Any]]:
+    cfg = copy.deepcopy(cfg)  # a checkpoint's sections replace the configured ones
     model, result, shared = _train_memory_proteus(split, cfg)
     info = _describe("memory", cfg, result)
     info["reused_training"] = shared
+    if cfg.eval.checkpoint:
+        info["checkpoint"] = cfg.eval.checkpoint
     return model, result.train_seconds, info
 
 
 def make_memory_proteus_notebank(
     split: TimeSplit, cfg: Config
 ) -> tuple[Scorer, float, dict[str, Any]]:
+    cfg = copy.deepcopy(cfg)
     model, result, shared = _train_memory_proteus(split, cfg)
     assert isinstance(model, MemoryRecommender)
     scorer = NotebankScorer(model, cfg, split.vocab)
     info = _describe("memory", cfg, result)
     info["reused_training"] = shared
+    if cfg.eval.checkpoint:
+        info["checkpoint"] = cfg.eval.checkpoint
     info["notebank"] = scorer.describe()
     return scorer, result.train_seconds, info
 

@@ -117,3 +117,30 @@ def test_example_configs_load(path: Path) -> None:
 
     cfg = load_config(path, environ={})
     assert cfg.train.epochs >= 1 and cfg.memory.n_blocks >= 1
+
+
+def test_eval_of_a_trained_checkpoint(tmp_path: Path) -> None:
+    """eval.checkpoint: memory-proteus(-notebank) evaluate a `recmem train` output instead of
+    training, on the split it was trained on only."""
+    from offline_eval.evaluate import evaluate
+    from offline_eval.runner import run_eval
+
+    csv = tmp_path / "events.csv"
+    write_csv(csv)
+    cfg = tiny_cfg(tmp_path, f"csv:{csv}")
+    run_train(cfg, tmp_path / "model")
+    ecfg = tiny_cfg(tmp_path, f"csv:{csv}")
+    ecfg.memory.key_dim = ecfg.memory.value_dim = 4  # the checkpoint's sections win
+    ecfg.eval.checkpoint = str(tmp_path / "model")
+    summary = run_eval(ecfg, f"csv:{csv}", ["memory-proteus"], tmp_path / "e")
+    entry = summary["models"]["memory-proteus"]
+    assert entry["train_seconds"] == 0.0 and entry["config"]["stopped"] == "checkpoint"
+    assert entry["config"]["memory"]["key_dim"] == 8
+    model = load_model(tmp_path / "model")[0]
+    direct = evaluate(model, prepare_split(cfg), "test", cfg.eval, progress=False)["overall"]
+    assert entry["overall"]["ndcg@10"] == pytest.approx(direct["ndcg@10"], abs=1e-6)
+    # a different split (other data) is refused with a message
+    other = tmp_path / "other.csv"
+    write_csv(other, n_items=30)
+    with pytest.raises(ValueError, match="vocabulary|boundaries"):
+        run_eval(ecfg, f"csv:{other}", ["memory-proteus"], tmp_path / "f")
