@@ -177,7 +177,7 @@ class TimeSplit:
         }
         tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]
+            np.savez_compressed(f, **arrays)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         meta_path = path.with_suffix(".json")
