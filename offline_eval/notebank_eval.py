@@ -57,9 +57,17 @@ def _pad_events(rows: list[UserEvents], device: torch.device) -> tuple[torch.Ten
     return (*(torch.from_numpy(a).to(device) for a in out), torch.from_numpy(lengths).to(device))
 
 
+FINAL_PASSES = ("service", "query_only", "notes_only")
+"""What runs on the copy for a query that got notes: "service" = the rank path (the notes'
+events, then the query events); two diagnostics that split its effect: "query_only" = the
+query events alone (the re-read without the notes), "notes_only" = the notes' events alone
+(no re-read)."""
+
+
 class NotebankScorer:
     """Scorer (offline_eval.evaluate) of ``model`` with NoteBank replay of R notes
-    (``replay_notes``; default ``cfg.archive.replay_notes``) per query."""
+    (``replay_notes``; default ``cfg.archive.replay_notes``) per query. ``final_pass``
+    other than "service" is for diagnosis only (see FINAL_PASSES)."""
 
     def __init__(
         self,
@@ -69,12 +77,16 @@ class NotebankScorer:
         *,
         replay_notes: int | None = None,
         batch_users: int = 256,
+        final_pass: str = "service",
     ) -> None:
         self.model = model
         self.cfg = cfg
         self.R = cfg.archive.replay_notes if replay_notes is None else replay_notes
         if self.R < 0:
             raise ValueError(f"replay_notes must be >= 0, got {self.R}")
+        if final_pass not in FINAL_PASSES:
+            raise ValueError(f"final_pass must be one of {FINAL_PASSES}, got {final_pass!r}")
+        self.final_pass = final_pass
         self.query_events = max(1, cfg.server.replay_query_events)
         self.vocab = (
             vocab if vocab is not None else ItemVocab([str(i) for i in range(model.n_items)], 1)
@@ -97,6 +109,7 @@ class NotebankScorer:
         return {
             "replay_notes": self.R,
             "replay_query_events": self.query_events,
+            "final_pass": self.final_pass,
             "archive": dataclasses.asdict(self.cfg.archive),
             "stats": self.stats,
         }
@@ -216,7 +229,11 @@ class NotebankScorer:
             if not notes:
                 continue
             parts = [UserEvents(n.items, n.actions, n.ts_ms) for n in notes]
-            rows.append(UserEvents.concat([*parts, hook.recent(uid, self.query_events)]))
+            if self.final_pass == "query_only":
+                parts = []
+            if self.final_pass != "notes_only":
+                parts.append(hook.recent(uid, self.query_events))
+            rows.append(UserEvents.concat(parts))
             keep.append(j)
             self.stats["notes_replayed"] += len(notes)
         if not keep:

@@ -48,6 +48,7 @@ def check_archive_config(cfg: ArchiveConfig) -> None:
         (cfg.address_dim >= 1, "archive.address_dim must be >= 1"),
         (cfg.notes_per_user >= 1, "archive.notes_per_user must be >= 1"),
         (cfg.replay_notes >= 0, "archive.replay_notes must be >= 0"),
+        (cfg.min_votes >= 0, "archive.min_votes must be >= 0"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -300,7 +301,9 @@ class NoteBank:
         the sum over voting channels of their best cosine, then recency; the top ``r``
         (default archive.replay_notes) are returned in chronological order with ``votes``
         set. With few channels fewer than r notes may get votes: the ranking then fills
-        up with unvoted notes by the same summed cosine. A user without notes gets []."""
+        up with unvoted notes by the same summed cosine, unless ``archive.min_votes`` > 0:
+        then only notes with at least that many votes are returned (possibly none). A user
+        without notes gets []."""
         r = self.cfg.replay_notes if r is None else r
         if r < 0:
             raise ValueError(f"r must be >= 0, got {r}")
@@ -329,6 +332,8 @@ class NoteBank:
         strength = best[voters].sum(axis=0)
         recency = np.arange(len(notes))
         ranked = np.lexsort((-recency, -strength, -votes))[:r]  # last key sorts first
+        if self.cfg.min_votes > 0:
+            ranked = ranked[votes[ranked] >= self.cfg.min_votes]
         return [replace(notes[i], votes=int(votes[i])) for i in np.sort(ranked)]
 
     # ---- inspection -------------------------------------------------------------------

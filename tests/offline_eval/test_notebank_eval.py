@@ -137,3 +137,41 @@ def test_run_eval_end_to_end(tmp_path: Path) -> None:
     by_pos = json.loads((tmp_path / "o" / "by_position.json").read_text())
     loss = {m: [b["loss"] for b in by_pos[m].values() if b["n"]] for m in models}
     assert loss["memory-proteus"] != loss["memory-proteus-notebank"]
+
+
+def test_final_pass_diagnostics(env: RankEnv) -> None:
+    """ "query_only" re-reads the latest event on the copy without notes; "notes_only" runs
+    the notes without the re-read; both differ from the service path only where notes came."""
+    from models.recommender import padded_batch
+    from offline_eval.notebank_eval import FINAL_PASSES
+
+    seqs = seqs_of(env)
+    rows = query_rows(seqs, 3)
+    plain = env.model.user_vectors(seqs, rows)
+    vec = {
+        fp: NotebankScorer(env.model, env.cfg, replay_notes=2, final_pass=fp).user_vectors(
+            seqs, rows
+        )
+        for fp in FINAL_PASSES
+    }
+    pos = rows - seqs.offsets[seqs.user_of_event()[rows]]
+    early, late = torch.as_tensor(pos < 7), torch.as_tensor(pos >= 7)
+    for fp in FINAL_PASSES:
+        assert torch.equal(vec[fp][early], plain[early])
+    for a, b in [
+        ("service", "query_only"),
+        ("service", "notes_only"),
+        ("query_only", "notes_only"),
+    ]:
+        assert ((vec[a][late] - vec[b][late]).abs().amax(dim=1) > 1e-5).all()
+    # query_only at a user's row r: events 0..r, then event r once more
+    u, r = 1, 20
+    users = np.array([u])
+    state = env.model.init_state(1, "cpu")
+    state = env.model.advance(*padded_batch(seqs, users, np.array([r + 1]), "cpu"), state).state
+    again = padded_batch(seqs, users, np.array([1]), "cpu", np.array([r]))
+    want = env.model.advance(*again, state).state.h[0]
+    i = int(np.flatnonzero(rows == seqs.offsets[u] + r)[0])
+    torch.testing.assert_close(vec["query_only"][i], want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="final_pass"):
+        NotebankScorer(env.model, env.cfg, final_pass="nope")

@@ -137,6 +137,25 @@ def test_votes_top_r_and_chronological_order():
     assert len(ev) == sum(len(notes[i]) for i in (1, 4, 6))
 
 
+def test_min_votes_drops_notes_with_fewer_votes():
+    s = make_stream(64, seed=5, planted=(3, 20, 40, 60))
+    bank = NoteBank(small_cfg(), K, CH, seed=0)
+    bank.observe("a", *s.part(0, 64))
+    notes = bank.notes("a")
+    u = np.stack([notes[6].addresses[0], notes[6].addresses[1], notes[1].addresses[2],
+                  notes[4].addresses[3]])  # fmt: skip  # votes: note 6: 2, notes 1, 4: 1
+    for m, want in [(0, list(range(8))), (1, [1, 4, 6]), (2, [6]), (3, [])]:
+        strict = NoteBank(small_cfg(min_votes=m), K, CH, seed=0)
+        strict.observe("a", *s.part(0, 64))
+        assert [n.serial for n in strict.route_addresses("a", u, r=10)] == want
+    strict = NoteBank(small_cfg(min_votes=1), K, CH, seed=0)
+    strict.observe("a", *s.part(0, 64))
+    top2 = [n.serial for n in strict.route_addresses("a", u, r=2)]  # the top R, then the cut
+    assert len(top2) == 2 and 6 in top2 and set(top2) <= {1, 4, 6}
+    with pytest.raises(ValueError, match="min_votes"):
+        NoteBank(small_cfg(min_votes=-1), K, CH)
+
+
 def _oracle_route(notes, u: np.ndarray, r: int) -> list[int]:
     """Votes (max over positions, argmax per channel), then summed best cosine, then recency;
     cosine on each address's nonzero prefix."""
