@@ -29,7 +29,9 @@ def test_evidence_recall_flags_are_consistent():
     mem = MemoryConfig(n_layers=1, n_heads=2, key_dim=16, value_dim=8, n_blocks=2, horizon=16)
     model = MemoryRecommender(30, 4, mem, ModelConfig(embed_dim=16))
     seqs = _seqs([70, 5, 40], n_items=30)
-    cfg = ArchiveConfig(chunk_events=8, window=2, max_span=3, address_dim=8, replay_notes=2)
+    cfg = ArchiveConfig(
+        chunk_events=8, window=2, spans_per_chunk=2, max_span=3, address_dim=8, replay_notes=2
+    )
     rows = np.array([0, 10, 50, 69, 70, 72, 75 + 39, 75 + 20])
     rep = evidence_recall(model, seqs, rows, cfg, event_keys=seqs.items % 5)
     assert sorted(rep.rows.tolist()) == sorted([10, 50, 69, 72, 114, 95])  # first events dropped
