@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from models.memory.recurrent import process_flushes_denormals
 from models.recommender import MemoryRecommender
 from recmem.checkpoint import CheckpointStore
 from recmem.config import Config
@@ -209,6 +210,8 @@ class PipelinedSink:
         self._worker.start()
 
     def _run(self) -> None:
+        if process_flushes_denormals():
+            torch.set_flush_denormal(True)  # before this thread's first parallel operation
         while True:
             item = self._queue.get()
             try:

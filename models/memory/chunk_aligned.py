@@ -20,6 +20,8 @@ times per event. The derivation is in docs/memory.md ("Aligned chunks for infere
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,63 @@ def _pair_products(g: torch.Tensor) -> torch.Tensor:
     return x.cumprod(-1).transpose(-1, -2) * lower
 
 
+@dataclass
+class _Layout:
+    """Where each event goes. Event (b, t) takes column shift[b] + t: slot c of chunk n. A
+    user whose events cross a mask change is shifted by pos0 mod C (the change then opens a
+    chunk); the others keep one mask throughout and are not shifted. Chunk n runs on the
+    users up to the last one that still has events in it (callers that list users longest
+    first, as the engine does, waste nothing), so the (chunk, user, head) matrices are
+    stored ragged, [R, C, ...], chunk n's from row offset[n] * H on. Padding cells stay 0."""
+
+    C: int
+    H: int
+    R: int
+    active: list[int]
+    offset: list[int]
+    events: torch.Tensor  # [E] flat b * T + t of the real events
+    chunk_user: torch.Tensor  # [E] (chunk, user) pair of each event
+    cell: torch.Tensor  # [E * H] matrix * C + slot of each (event, head)
+
+    def place(
+        self, x: torch.Tensor, rows: int, at: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B, T, H, D] -> [R, rows, D] (zeros, or ``out``): the events' rows at slot +
+        ``at`` of their (chunk, user, head) matrix of ``rows`` rows."""
+        B, T, H, D = x.shape
+        src = x.reshape(B * T, H * D).index_select(0, self.events).view(-1, D)
+        dst = self.cell + (self.cell // self.C) * (rows - self.C) + at
+        if out is None:
+            out = x.new_zeros(self.R, rows, D)
+        out.view(-1, D).index_copy_(0, dst, src)
+        return out
+
+
+def _layout(
+    positions: torch.Tensor, pos0: torch.Tensor, lengths: torch.Tensor, H: int, K: int, C: int,
+    n_blocks: int, horizon: int,
+) -> _Layout | None:  # fmt: skip
+    B, T = positions.shape
+    dev = positions.device
+    first, last = (open_rows_tensor(pos0 + d, K, n_blocks, horizon) for d in (1, lengths))
+    shift = torch.where((first != last) & (lengths > 0), torch.remainder(pos0, C), 0)
+    n_chunks = torch.div(shift + lengths + C - 1, C, rounding_mode="floor")
+    N = int(n_chunks.max())
+    if N == 0:
+        return None
+    users = torch.arange(1, B + 1, device=dev)
+    active_t = ((n_chunks[None, :] > torch.arange(N, device=dev)[:, None]) * users).amax(1)
+    offset_t = torch.cumsum(active_t, 0) - active_t
+    b_idx, t_idx = (positions > 0).nonzero(as_tuple=True)
+    col = shift[b_idx] + t_idx
+    chunk_user = offset_t[torch.div(col, C, rounding_mode="floor")] + b_idx
+    matrix = chunk_user[:, None] * H + torch.arange(H, device=dev)
+    cell = (matrix * C + torch.remainder(col, C)[:, None]).flatten()
+    active, offset = active_t.tolist(), offset_t.tolist()
+    R = (offset[-1] + active[-1]) * H
+    return _Layout(C, H, R, active, offset, b_idx * T + t_idx, chunk_user, cell)
+
+
 @torch.no_grad()
 def memory_scan_chunk_aligned(
     q: torch.Tensor,
@@ -65,6 +124,8 @@ def memory_scan_chunk_aligned(
     qk_l2norm: bool = True,
     chunk_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The reference's function without autograd, in chunks of the largest C <=
+    ``chunk_size`` that divides Delta; the inputs are not changed."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K = q.shape
@@ -76,57 +137,24 @@ def memory_scan_chunk_aligned(
         C = aligned_chunk_size(chunk_size, n_blocks, horizon)
         positions = event_positions(pos0, lengths, T)
         dev = q.device
-
-        # Event (b, t) goes to column shift[b] + t: slot c of chunk n. A user whose events
-        # cross a mask change is shifted by pos0 mod C (the change then opens a chunk); the
-        # others keep one mask throughout and are not shifted. Chunk n runs on the users up
-        # to the last one that still has events in it (callers that order users by length,
-        # longest first, as the engine does, waste nothing), so the (chunk, user, head)
-        # matrices are stored ragged: [R, C, ...], chunk n's at rows offset[n] * H onwards.
-        # Padding cells stay zero.
-        first, last = (open_rows_tensor(pos0 + d, K, n_blocks, horizon) for d in (1, lengths))
-        shift = torch.where((first != last) & (lengths > 0), torch.remainder(pos0, C), 0)
-        n_chunks = torch.div(shift + lengths + C - 1, C, rounding_mode="floor")
-        N = int(n_chunks.max())
-        if N == 0:
+        lay = _layout(positions, pos0, lengths, H, K, C, n_blocks, horizon)
+        if lay is None:
             return v.new_zeros(v.shape), S0.clone(), None if M0 is None else M0.clone()
-        users = torch.arange(1, B + 1, device=dev)
-        active_t = ((n_chunks[None, :] > torch.arange(N, device=dev)[:, None]) * users).amax(1)
-        offset_t = torch.cumsum(active_t, 0) - active_t
-        active, offset = active_t.tolist(), offset_t.tolist()
-        R = (offset[-1] + active[-1]) * H
-        b_idx, t_idx = (positions > 0).nonzero(as_tuple=True)
-        col = shift[b_idx] + t_idx
-        chunk_user = offset_t[torch.div(col, C, rounding_mode="floor")] + b_idx
-        mat = chunk_user[:, None] * H + torch.arange(H, device=dev)  # [events, H]
-        slot = torch.remainder(col, C)[:, None]
-        events = b_idx * T + t_idx
-
-        def place(
-            x: torch.Tensor, rows: int, at: int = 0, out: torch.Tensor | None = None
-        ) -> torch.Tensor:
-            """Copy the events' [H, D] rows of x [B, T, H, D] to [R * rows, D]."""
-            D = x.shape[-1]
-            if out is None:
-                out = x.new_zeros(R * rows, D)
-            src = x.reshape(B * T, H * D).index_select(0, events).view(-1, D)
-            return out.index_copy_(0, (mat * rows + at + slot).flatten(), src)
-
-        kq = place(k, 2 * C)  # rows 0..C-1 of a chunk: k, C..2C-1: q
-        kq = place(q, 2 * C, C, out=kq).view(R, 2 * C, K)
+        R = lay.R
+        kq = lay.place(q, 2 * C, C, out=lay.place(k, 2 * C))  # rows 0..C-1: k, C..2C-1: q
         # The Proteus mask is one per (chunk, user): mask, then normalise, in place.
-        rows_open = open_rows_tensor(positions[b_idx, t_idx], K, n_blocks, horizon)
-        open_n = rows_open.new_zeros(R // H).scatter_reduce_(0, chunk_user, rows_open, "amax")
+        rows_open = open_rows_tensor(positions.flatten()[lay.events], K, n_blocks, horizon)
+        open_n = rows_open.new_zeros(R // H).scatter_reduce_(0, lay.chunk_user, rows_open, "amax")
         row_open = torch.arange(K, device=dev) < open_n[:, None, None]  # [R / H, 1, K]
         kq.view(R // H, H * 2 * C, K).mul_(row_open)
         if qk_l2norm:
             norm = torch.linalg.vector_norm(kq, dim=-1, keepdim=True)
             kq.mul_(torch.rsqrt(norm.square_().add_(L2_EPS)))
         kc = kq[:, :C]
-        vc = place(v, C).view(R, C, V)
+        vc = lay.place(v, C)
         ones = torch.ones_like(theta)
         gates = [ones, theta, alpha] + ([eta] if momentum and eta is not None else [])
-        g = place(torch.stack(gates, -1), C).view(R, C, len(gates))  # padding: all 0
+        g = lay.place(torch.stack(gates, -1), C)  # padding: all 0
         on, th = g[..., 0], g[..., 1]
         a = 1 - g[..., 2]  # padding: 1
         e = 1 + (g[..., 3] - 1) * on if momentum else 1 - on  # no momentum: M restarts
@@ -165,8 +193,8 @@ def memory_scan_chunk_aligned(
         reads = v.new_empty(R, 2 * C, state.shape[-1])
         W = v.new_empty(R, C, V)
         gw_all = v.new_empty(BH, C, state.shape[-1])
-        for n in range(N):
-            lo, hi = offset[n] * H, (offset[n] + active[n]) * H
+        for n in range(len(lay.active)):
+            lo, hi = lay.offset[n] * H, (lay.offset[n] + lay.active[n]) * H
             st, gw = state[: hi - lo], gw_all[: hi - lo]
             S, M = st[..., :V], st[..., V:]
             x = torch.bmm(kq[lo:hi], st, out=reads[lo:hi])
@@ -186,9 +214,7 @@ def memory_scan_chunk_aligned(
             Y.addcmul_(reads[:, C:, V:], Fv[..., None])
         Y.baddbmm_(P, W, alpha=-1.0)
         y = v.new_zeros(B * T, H * V)
-        y.index_copy_(
-            0, events, Y.view(-1, V).index_select(0, (mat * C + slot).flatten()).view(-1, H * V)
-        )
+        y.index_copy_(0, lay.events, Y.view(-1, V).index_select(0, lay.cell).view(-1, H * V))
         state = state.view(B, H, K, -1)
         S_out = state[..., :V]
         M_out = state[..., V:] if momentum else M0

@@ -43,7 +43,7 @@ BACKENDS: dict[str, ScanFn] = {
 ALIASES = {"fla": "fla_chunk"}
 TAKES_CHUNK_SIZE = ("chunk", "chunk_aligned")
 
-CPU_CHUNK_MIN_EVENTS = 12
+CPU_CHUNK_MIN_EVENTS = 20
 """On the CPU without gradients, ``auto`` runs batches at least this many events wide (T)
 in aligned chunks and narrower ones one event at a time (bench/bench_memory.py measures
 both paths per T; the chunked form touches the state once per chunk, not once per event,

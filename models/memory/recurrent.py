@@ -34,6 +34,13 @@ def flush_denormals() -> bool:
     return bool(torch.set_flush_denormal(True))
 
 
+def process_flushes_denormals() -> bool:
+    """Whether this process opted in (``flush_denormals``): threads it starts to compute
+    memories should then flush too, before their first parallel operation (the workers of a
+    thread's OpenMP team copy its floating-point flags when they are created)."""
+    return _process_flushes_denormals
+
+
 @contextlib.contextmanager
 def _denormals_flushed(device: torch.device) -> Iterator[None]:
     """Flush denormals in this thread while the CPU scan runs (decayed states would crawl);

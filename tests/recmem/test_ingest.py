@@ -379,3 +379,31 @@ def test_pipelined_sink_applies_in_order_and_reports_worker_errors(tmp_path):
         s.close()
     for svc in (plain, piped, broken.inner):
         svc.engine.store.close()
+
+
+def test_pipelined_worker_flushes_denormals_when_the_process_opted_in(tmp_path):
+    """The worker thread flushes before its first tensor operation (its OpenMP workers copy
+    the flag when they are created), only in a process that opted in."""
+    from models.memory import recurrent
+    from tests.recmem.test_engine import make_engine
+
+    layout = StateLayout.from_config(small_config().memory, small_config().model)
+    seen: list[bool] = []
+
+    class Probe(IngestService):
+        def apply_batch(self, events, next_offsets):
+            seen.append((torch.tensor([1e-39]) * 1.0).item() == 0.0)
+
+    torch.set_flush_denormal(False)  # threads start with their creator's flags
+    for opted_in in (False, True):
+        recurrent._process_flushes_denormals = opted_in
+        try:
+            svc = Probe(make_engine(tmp_path / str(opted_in)), CheckpointStore(tmp_path, layout), 0)
+            sink = PipelinedSink(svc)
+            sink.apply_batch([], {})
+            sink.drain()
+            sink.close()
+            svc.engine.store.close()
+        finally:
+            recurrent._process_flushes_denormals = False
+    assert seen == [False, True]
