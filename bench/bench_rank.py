@@ -208,7 +208,10 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
         if msg == "stop":
             break
         b = servers[msg].batcher
-        conn.send({"batches": b.batches, "requests": b.requests, "busy_s": b.busy_seconds})
+        steps = dict(stack.ranker.seconds) if msg == "memory" else {}
+        conn.send(
+            {"batches": b.batches, "requests": b.requests, "busy_s": b.busy_seconds, "steps": steps}
+        )
     for s in servers.values():
         s.stop(grace=1.0)
     stack.engine.store.close()
@@ -409,6 +412,10 @@ def main() -> None:
                 busy = after["busy_s"] - before["busy_s"]
                 cell["mean_batch_ms"] = 1000.0 * busy / max(n_b, 1)
                 cell["worker_busy_share"] = busy / seconds
+                cell["batch_ms_by_step"] = {
+                    k: 1000.0 * (v - before["steps"][k]) / max(n_b, 1)
+                    for k, v in after["steps"].items()
+                }
                 cell["load_avg_1m"] = os.getloadavg()[0]
                 cell.update(system=system, concurrency=c, shape=shape, replay_notes=replay)
                 cells.append(cell)
@@ -416,7 +423,9 @@ def main() -> None:
                     f"{system:6s} c={c:2d} {shape:7s} R={replay}: p50 {cell['p50_ms']:6.2f}"
                     f" ms  p99 {cell['p99_ms']:6.2f} ms  {cell['throughput_rps']:7.1f}"
                     f" req/s  batch {cell['mean_batch']:.1f} ({cell['mean_batch_ms']:.1f} ms,"
-                    f" busy {cell['worker_busy_share']:.0%})  load {cell['load_avg_1m']:.1f}",
+                    f" busy {cell['worker_busy_share']:.0%})"
+                    + "".join(f" {k} {v:.1f}" for k, v in cell["batch_ms_by_step"].items())
+                    + f"  load {cell['load_avg_1m']:.1f}",
                     flush=True,
                 )
             parent.send("stop")

@@ -31,6 +31,8 @@ answer comes from the context alone (a fresh zero state).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -201,6 +203,11 @@ class Ranker:
         self._by_popularity = np.argsort(-self.popularity, kind="stable")
         self.batches = 0
         """Micro-batches ranked so far."""
+        self.seconds = dict.fromkeys(("snapshot", "route", "replay", "score", "prepare"), 0.0)
+        """Wall time spent so far per step of ``rank`` (host clock: on a GPU the kernels of
+        one step may finish in a later one, where the results are copied back), and in
+        ``prepare`` (summed over the calling threads)."""
+        self._prepare_lock = threading.Lock()
 
     @property
     def n_items(self) -> int:
@@ -218,6 +225,7 @@ class Ranker:
         them again. The answer is the same either way."""
         if not query.replay_notes or len(query.context) or query.prefetched is not None:
             return query
+        began = time.perf_counter()
         version = self.sources.versions([query.user_id])
         if version is None:
             return query
@@ -226,6 +234,8 @@ class Ranker:
         notes = None
         if len(events) and stored is not None and len(stored) == len(events):
             notes = tuple(self.sources.route(query.user_id, stored, query.replay_notes))
+        with self._prepare_lock:
+            self.seconds["prepare"] += time.perf_counter() - began
         return replace(query, prefetched=Prefetched(version[0], events, notes))
 
     @torch.inference_mode()
@@ -235,12 +245,14 @@ class Ranker:
             return []
         self.model.eval()
         self.batches += 1
+        clock = time.perf_counter()
         users = [q.user_id for q in queries]
         base = self._move(self.sources.snapshot(users))
         # after the snapshot: an engine step between a read-ahead and here moved the counter
         versions = self.sources.versions(users) if any(q.prefetched for q in queries) else None
         live_pos = base.pos.tolist()
         cold = [p == 0 and len(q.context) == 0 for p, q in zip(live_pos, queries)]
+        clock = self._lap("snapshot", clock)
 
         # Query events: the context, else (replay only) the user's latest events.
         query_ev: list[UserEvents] = []
@@ -260,6 +272,7 @@ class Ranker:
                 stored_q.append(self.sources.recent_queries(q.user_id, self.query_events))
 
         notes = self._route(queries, base, query_ev, stored_q, live_pos, routed)
+        clock = self._lap("route", clock)
 
         final_rows = [
             UserEvents.concat([*ns, qe]) if ns else q.context
@@ -279,7 +292,9 @@ class Ranker:
             user_vec = base.h.index_copy(0, rows, res.state.h)
 
         results: list[RankResult] = []
+        clock = self._lap("replay", clock)
         top = self._score(queries, user_vec, cold)
+        self._lap("score", clock)
         for i, q in enumerate(queries):
             idx, sc = top[i]
             results.append(
@@ -293,6 +308,11 @@ class Ranker:
                 )
             )
         return results
+
+    def _lap(self, step: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[step] += now - since
+        return now
 
     def _move(self, state: MemoryState) -> MemoryState:
         if state.S.device == self.device:

@@ -19,6 +19,7 @@ columns are picked out. Eviction rebuilds the index from the kept notes (<= the 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -59,9 +60,20 @@ def masked_cosines(raw: np.ndarray, u: np.ndarray, open_: np.ndarray) -> np.ndar
     n, ch, d = u.shape
     cum = np.zeros((n, ch, d + 1), dtype=np.float32)
     cum[..., 1:] = np.sqrt(np.cumsum(u.astype(np.float32) ** 2, axis=-1))
-    idx = np.broadcast_to(open_.T[None, :, :], (n, ch, open_.shape[0]))
-    norm = np.take_along_axis(cum, idx, axis=-1)  # [n, C_ch, notes]
+    norm = cum[:, np.arange(ch)[:, None], open_.T]  # [n, C_ch, notes]: cum[., c, open[i, c]]
     return np.where(norm > 1e-6, raw / np.maximum(norm, 1e-6), 0.0).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=512)
+def _subset_labels(n: int, ch: int, notes: int) -> np.ndarray:
+    """[n * ch, notes] (read-only, shared by every user's index): query row tau * ch + c is
+    scored against rows i * ch + c of every note i."""
+    labels = np.ascontiguousarray(
+        np.tile(np.arange(notes, dtype=np.int64)[None, :] * ch, (n * ch, 1))
+        + np.tile(np.arange(ch, dtype=np.int64), n)[:, None]
+    )
+    labels.setflags(write=False)
+    return labels
 
 
 class UserAddressIndex:
@@ -111,11 +123,7 @@ class UserAddressIndex:
         ch, notes = self.n_channels, self.size
         if self._gpu is not None:
             return self._inner_products_gpu(queries, n)
-        # Query row tau * C_ch + c is scored against rows i * C_ch + c of every note i.
-        labels = np.ascontiguousarray(
-            np.tile(np.arange(notes, dtype=np.int64)[None, :] * ch, (n * ch, 1))
-            + np.tile(np.arange(ch, dtype=np.int64), n)[:, None]
-        )
+        labels = _subset_labels(n, ch, notes)
         out = np.empty((n * ch, notes), dtype=np.float32)
         # A few hundred rows: OpenMP threads only add wake-up and barrier latency (p99 of
         # tens of ms on a busy 2-core host). The setting is per calling thread and lives
