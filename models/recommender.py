@@ -125,10 +125,28 @@ class MemoryLayer(nn.Module):
             positions = event_positions(pos0, lengths, T)
             qt, kt, _ = masked_qk(q, k, positions, mem.n_blocks, mem.horizon, mem.qk_l2norm)
             kq = (kt.detach(), qt.detach())
+        return self._mix(x, y), S, M, kq
+
+    def _mix(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Output projection + residual + LayerNorm (+ feed-forward) of the memory read y
+        [B, T, H, V] on top of the layer input x [B, T, D]."""
+        B, T, _ = x.shape
         h = self.norm1(x + self.dropout(self.out(y.reshape(B, T, -1))))
         if self.ffn is not None:
             h = self.norm2(h + self.dropout(self.ffn(h)))
-        return h, S, M, kq
+        return h
+
+    def read(self, x: torch.Tensor, S: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Read-only pass of one event per user: x [B, D], S [B, H, K, V], positions [B]
+        (lifetime position the event is read at, >= 1). The layer's q is masked and
+        normalised exactly as the scan does (``masked_qk``), the read is y = S^T q~ and no
+        state changes. Equals the scan's output for an event whose write is a no-op
+        (theta = 0, alpha = 0, no momentum step). Returns the layer output [B, D]."""
+        q = self.project(x[:, None])[0]  # [B, 1, H, K]
+        mem = self.mem
+        qt, _, _ = masked_qk(q, q, positions[:, None], mem.n_blocks, mem.horizon, mem.qk_l2norm)
+        y = torch.einsum("bthk,bhkv->bthv", qt, S.to(qt.dtype))
+        return self._mix(x[:, None], y)[:, 0]
 
 
 class MemoryRecommender(nn.Module):
@@ -226,6 +244,42 @@ class MemoryRecommender(nn.Module):
         )
         kq_out = (torch.stack(ks, dim=2), torch.stack(qs, dim=2)) if return_kq else None
         return AdvanceResult(new_state, out, kq_out)
+
+    def read_only(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts_ms: torch.Tensor,
+        state: MemoryState,
+        *,
+        prev_ts: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """User vectors [B, D] read from ``state`` for one event per user (items, actions,
+        ts_ms [B]) WITHOUT writing it: each layer reads its state with the event's q~
+        (``MemoryLayer.read``), the next layer takes the previous layer's output as in
+        ``advance``, then the read-out. ``state`` is not changed.
+
+        The event's time-gap feature is measured from ``prev_ts`` [B] (the ts of the event
+        before it in the user's history, -1 for none; default ``state.last_ts``); it is read
+        at lifetime ``positions`` [B] (default ``state.pos``, at least 1). For the user's
+        latest applied event with its own previous ts, on the live state, this equals the
+        read-out ``advance`` gave for it (the rule reads after the write). Tried as the
+        NoteBank replay read-out on the replayed copy instead of re-running the event
+        (offline_eval.notebank_eval final_pass "read_only"); on ML-100K VALID it scored
+        lower than the re-run (reports/ml-100k-notebank-tuning/README.md, section
+        "Read-only read-out after replay"), so the rank path keeps the re-run."""
+        prev = state.last_ts if prev_ts is None else prev_ts
+        pos = state.pos if positions is None else positions
+        pos = torch.clamp(pos, min=1)
+        gaps = time_gap_buckets(ts_ms, prev, self.model_cfg.n_time_buckets)
+        ones = torch.ones_like(items)
+        x = self.embed(items[:, None], actions[:, None], gaps[:, None], ones, use_kjt=self.use_kjt)
+        x = self.embed_dropout(self.embed_norm(x))[:, 0]
+        for li, layer in enumerate(self.layers):
+            assert isinstance(layer, MemoryLayer)
+            x = layer.read(x, state.S[:, li], pos)
+        return self.readout(x)
 
     def score(self, user_vec: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:
         """[B, n_items] over the TRAIN catalog, or [B, C] for candidate indices [B, C]."""

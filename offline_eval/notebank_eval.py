@@ -57,11 +57,28 @@ def _pad_events(rows: list[UserEvents], device: torch.device) -> tuple[torch.Ten
     return (*(torch.from_numpy(a).to(device) for a in out), torch.from_numpy(lengths).to(device))
 
 
-FINAL_PASSES = ("service", "query_only", "notes_only")
+FINAL_PASSES = (
+    "service",
+    "read_only",
+    "query_only",
+    "notes_only",
+    "read_only_query",
+    "read_only_state_gap",
+    "read_only_own_pos",
+)
 """What runs on the copy for a query that got notes: "service" = the rank path (the notes'
-events, then the query events); two diagnostics that split its effect: "query_only" = the
-query events alone (the re-read without the notes), "notes_only" = the notes' events alone
-(no re-read)."""
+events, then the query events run again: a second write of the latest event);
+"read_only" = the notes' events, then a READ-ONLY read of the user's latest event
+(``MemoryRecommender.read_only``: no second write; its time gap from its own previous
+event, read at the copy's position). Diagnostics that split the effect: "query_only" = the
+query events alone (the re-run without the notes), "notes_only" = the notes' events alone
+(no re-read), "read_only_query" = the read-only read alone on the live copy (no notes;
+equals the plain vector up to float noise, since the rule reads after the write),
+"read_only_state_gap" = "read_only" with the time gap measured from the copy's last ts
+(the last replayed event) instead of the event's own previous event, "read_only_own_pos" =
+"read_only" read at the event's own position (the live one) instead of the copy's."""
+
+READ_ONLY_PASSES = ("read_only", "read_only_query", "read_only_state_gap", "read_only_own_pos")
 
 
 class NotebankScorer:
@@ -183,7 +200,13 @@ class NotebankScorer:
             slots = q_slot[q_idx]
             drift = (state.h[torch.as_tensor(slots, device=device)] - result[targets]).abs()
             self.stats["max_live_drift"] = max(self.stats["max_live_drift"], float(drift.max()))
-            self._replay(hook, bank, [uids[i] for i in slots], slots, targets, state, result)
+            ev = rows[targets]  # the query events' rows, for the read-only read
+            first_row = seqs.offsets[user_of[targets]]
+            prev = np.where(ev > first_row, seqs.ts_ms[np.maximum(ev - 1, 0)], -1)
+            latest = (seqs.items[ev], seqs.actions[ev], seqs.ts_ms[ev], prev)
+            self._replay(
+                hook, bank, [uids[i] for i in slots], slots, targets, state, result, latest
+            )
 
     def _ingest(
         self,
@@ -216,9 +239,13 @@ class NotebankScorer:
         targets: np.ndarray,
         state: MemoryState,
         result: torch.Tensor,
+        latest: tuple[np.ndarray, ...],
     ) -> None:
         """Ranker steps 3-4 for these queries: route the stored q~ of the latest events,
-        then notes + query events on copies of the live states; write the read-outs."""
+        then notes + query events on copies of the live states (or, read-only passes, the
+        notes and a read of ``latest`` = items, actions, ts, previous ts of each query's
+        event); write the read-outs."""
+        read_only = self.final_pass in READ_ONLY_PASSES
         rows: list[UserEvents] = []
         keep: list[int] = []
         for j, uid in enumerate(uids):
@@ -229,9 +256,9 @@ class NotebankScorer:
             if not notes:
                 continue
             parts = [UserEvents(n.items, n.actions, n.ts_ms) for n in notes]
-            if self.final_pass == "query_only":
+            if self.final_pass in ("query_only", "read_only_query"):
                 parts = []
-            if self.final_pass != "notes_only":
+            if self.final_pass not in ("notes_only", *READ_ONLY_PASSES):
                 parts.append(hook.recent(uid, self.query_events))
             rows.append(UserEvents.concat(parts))
             keep.append(j)
@@ -242,6 +269,14 @@ class NotebankScorer:
         device = result.device
         idx = torch.as_tensor(slots[keep], device=device)
         copy = state.index(idx)  # advanced indexing: new tensors, the live state stays
-        items, actions, ts, lengths = _pad_events(rows, device)
-        res = self.model.advance(items, actions, ts, lengths, copy)
-        result[torch.as_tensor(targets[keep], device=device)] = res.state.h.to(result.dtype)
+        live_pos = copy.pos
+        if any(len(r) for r in rows):
+            items, actions, ts, lengths = _pad_events(rows, device)
+            copy = self.model.advance(items, actions, ts, lengths, copy).state
+        vec = copy.h
+        if read_only:
+            it, ac, t, prev = (torch.as_tensor(a[keep], device=device) for a in latest)
+            prev_ts = None if self.final_pass == "read_only_state_gap" else prev
+            own = live_pos if self.final_pass == "read_only_own_pos" else None
+            vec = self.model.read_only(it, ac, t, copy, prev_ts=prev_ts, positions=own)
+        result[torch.as_tensor(targets[keep], device=device)] = vec.to(result.dtype)

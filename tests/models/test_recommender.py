@@ -196,3 +196,72 @@ def test_time_gap_buckets() -> None:
     assert got[0] == 0 and got[3] == 0 and got[1] == 1 and got[2] > 1
     with pytest.raises(ValueError):
         time_gap_edges_s(1)
+
+
+def _last_events(items, actions, ts, lengths):
+    """Each user's latest event and the ts of the one before it (-1: none)."""
+    rows = torch.arange(items.shape[0])
+    last = lengths - 1
+    prev = torch.where(last > 0, ts[rows, torch.clamp(last - 1, min=0)], torch.full_like(last, -1))
+    return items[rows, last], actions[rows, last], ts[rows, last], prev
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_read_only_on_live_state_is_the_latest_readout(momentum: bool) -> None:
+    """The rule reads after the write, so reading the latest event again from the state it
+    left (its own position and previous ts) gives the read-out advance gave, and writes
+    nothing."""
+    model = small_model(momentum)
+    items, actions, ts = batch(B=4)
+    lengths = torch.tensor([12, 5, 1, 3])  # positions 12 (all rows open), 5, 1, 3
+    state = advance(model, items, actions, ts, lengths).state
+    before = state.clone()
+    it, ac, t, prev = _last_events(items, actions, ts, lengths)
+    vec = model.read_only(it, ac, t, state, prev_ts=prev)
+    torch.testing.assert_close(vec, state.h, atol=1e-12, rtol=1e-10)
+    for a, b in [(before.S, state.S), (before.pos, state.pos), (before.h, state.h),
+                 (before.last_ts, state.last_ts)]:  # fmt: skip
+        assert torch.equal(a, b)
+    if momentum:
+        assert torch.equal(before.M, state.M)
+    # the gap feature matters: measured from the state's own last ts (gap 0) it differs
+    other = model.read_only(it, ac, t, state)
+    assert (other - vec).abs().amax() > 1e-6
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+@pytest.mark.parametrize("backend", ["reference", "recurrent"])
+def test_read_only_is_the_scan_with_a_no_op_write(momentum: bool, backend: str) -> None:
+    """read_only on any state equals advance of the same event through a twin whose gates
+    make the write a no-op (theta = 0, alpha = 0, eta = 0: S <- S, y = S^T q~), run from
+    that state with the position one back so the event lands at the read position."""
+    model = small_model(momentum)
+    items, actions, ts = batch(B=3, seed=1)
+    lengths = torch.tensor([12, 4, 2])
+    state = advance(model, items, actions, ts, lengths).state
+    # a different event per user (not the latest), read at a later position than applied
+    g = torch.Generator().manual_seed(7)
+    ev_items = torch.randint(0, N_ITEMS + N_OOV, (3,), generator=g)
+    ev_actions = torch.randint(0, 6, (3,), generator=g)
+    ev_ts = ts[:, -1] + 5_000_000
+    prev = torch.tensor([-1, 10**9, int(ts[2, 1])])
+    pos = state.pos + torch.tensor([0, 3, 1])
+    got = model.read_only(ev_items, ev_actions, ev_ts, state, prev_ts=prev, positions=pos)
+
+    twin = small_model(momentum)
+    twin.load_state_dict(model.state_dict())
+    twin.mem_cfg.backend = backend
+    with torch.no_grad():
+        for layer in twin.layers:
+            layer.gates.weight.zero_()
+            layer.gates.bias.fill_(-1e4)  # sigmoid -> exactly 0
+    start = state.clone()
+    start.pos, start.last_ts = pos - 1, prev
+    res = twin.advance(ev_items[:, None], ev_actions[:, None], ev_ts[:, None],
+                       torch.ones(3, dtype=torch.int64), start)  # fmt: skip
+    assert torch.equal(res.state.S, state.S)  # the write was a no-op
+    torch.testing.assert_close(got, res.outputs[:, 0], atol=1e-12, rtol=1e-10)
+    # and it is not the vector of a real write
+    real = model.advance(ev_items[:, None], ev_actions[:, None], ev_ts[:, None],
+                         torch.ones(3, dtype=torch.int64), start)  # fmt: skip
+    assert (real.outputs[:, 0] - got).abs().amax() > 1e-6

@@ -175,3 +175,64 @@ def test_final_pass_diagnostics(env: RankEnv) -> None:
     torch.testing.assert_close(vec["query_only"][i], want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="final_pass"):
         NotebankScorer(env.model, env.cfg, final_pass="nope")
+
+
+def test_read_only_passes(env: RankEnv) -> None:
+    """ "read_only_query" (the read alone, no notes) is the plain vector; "read_only" is the
+    service's notes on a copy of the live state followed by MemoryRecommender.read_only of
+    the latest event (its own previous ts), not a second write; "read_only_state_gap"
+    differs from it only by the event's time-gap feature."""
+    from recmem.ranking import UserEvents
+
+    seqs = seqs_of(env)
+    rows = query_rows(seqs, 3)
+    plain = env.model.user_vectors(seqs, rows)
+    vec = {
+        fp: NotebankScorer(env.model, env.cfg, replay_notes=2, final_pass=fp).user_vectors(
+            seqs, rows
+        )
+        for fp in (
+            "service",
+            "read_only",
+            "read_only_query",
+            "read_only_state_gap",
+            "read_only_own_pos",
+        )
+    }
+    torch.testing.assert_close(vec["read_only_query"], plain, atol=1e-5, rtol=1e-5)
+    pos = rows - seqs.offsets[seqs.user_of_event()[rows]]
+    late = torch.as_tensor(pos >= 7)
+    differ = {
+        b: (vec["read_only"][late] - vec[b][late]).abs().amax(dim=1) > 1e-5
+        for b in ("service", "read_only_state_gap")
+    }
+    assert differ["service"].all()
+    # the two gaps can fall in the same bucket (then the vectors agree), mostly they do not
+    assert differ["read_only_state_gap"].float().mean() > 0.5
+    # the read position only matters while the Proteus schedule still opens rows (all 4
+    # blocks are open from lifetime position 25 on: horizon 32, Delta 8)
+    full = torch.as_tensor(pos >= 24)
+    torch.testing.assert_close(vec["read_only_own_pos"][full], vec["read_only"][full])
+    opening = torch.as_tensor((pos >= 7) & (pos < 24))
+    assert ((vec["read_only_own_pos"] - vec["read_only"])[opening].abs().amax() > 1e-5).any()
+    # by hand for every user's last event, with the notes the live Ranker routes
+    ranker = env.stack.ranker
+    for u, user in enumerate(seqs.user_ids):
+        pf = ranker.prepare(RankQuery(user, k=N_ITEMS, replay_notes=2)).prefetched
+        assert pf is not None and pf.notes is not None and len(pf.notes) == 2
+        notes = UserEvents.concat(list(pf.notes))
+        state = ranker.sources.snapshot([user])
+        before = state.clone()
+        copy = env.model.advance(
+            torch.as_tensor(notes.items)[None], torch.as_tensor(notes.actions)[None],
+            torch.as_tensor(notes.ts_ms)[None], torch.tensor([len(notes)]), state.index(
+                torch.tensor([0])),
+        ).state  # fmt: skip
+        last = int(seqs.offsets[u + 1] - 1)
+        want = env.model.read_only(
+            torch.tensor([seqs.items[last]]), torch.tensor([seqs.actions[last]]),
+            torch.tensor([seqs.ts_ms[last]]), copy, prev_ts=torch.tensor([seqs.ts_ms[last - 1]]),
+        )[0]  # fmt: skip
+        i = int(np.flatnonzero(rows == last)[0])
+        torch.testing.assert_close(vec["read_only"][i], want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(state.S, before.S)  # the snapshot copy was not written
