@@ -2,7 +2,9 @@
 
     .venv/bin/python bench/bench_memory.py [--users 8192] [--event-budget 8192]
 
-H=4, K=V=64, the momentum rule, {1, 16, 64} new events per user. The target batch is
+H=4, K=V=64, the momentum rule, {1, 16, 64} new events per user; paths: the reference, the
+recurrent path (one step per event), the chunked form for training and the aligned chunked
+form for inference (what ``auto`` runs on CPU batches of >= 20 events without gradients). The target batch is
 8192 users; on a small shared CPU a path that would take minutes runs on a subsample of
 users (about ``--event-budget`` events per measurement, ``--reference-budget`` for the
 one-event-at-a-time reference) and the JSON records the users actually run. GB/s counts the
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.memory.chunk import memory_scan_chunk  # noqa: E402
+from models.memory.chunk_aligned import memory_scan_chunk_aligned  # noqa: E402
 from models.memory.naive import memory_scan_reference  # noqa: E402
 from models.memory.recurrent import memory_scan_recurrent  # noqa: E402
 
@@ -61,6 +64,8 @@ def measure(name: str, users: int, T: int) -> dict[str, Any]:
             memory_scan_reference(**inp, **SCHED)
         elif name == "recurrent":
             memory_scan_recurrent(**inp, **SCHED)
+        elif name == "chunk_aligned":
+            memory_scan_chunk_aligned(**inp, **SCHED, chunk_size=16)
         else:
             memory_scan_chunk(**inp, **SCHED, chunk_size=min(16, T))
         dt = time.perf_counter() - t0
@@ -74,14 +79,18 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=8192)
     ap.add_argument("--event-budget", type=int, default=8192)
     ap.add_argument("--reference-budget", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory_cpu.json"))
     args = ap.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     plan = []
     for T in (1, 16, 64):
         for name, budget in (
             ("reference", args.reference_budget),
             ("recurrent", args.event_budget),
             ("chunk", args.event_budget),
+            ("chunk_aligned", args.event_budget),
         ):
             plan.append((name, T, max(1, min(args.users, budget // T))))
     rows = [measure(n, u, T) for n, T, u in tqdm(plan, desc="memory paths")]
@@ -90,6 +99,7 @@ def main() -> None:
     result = {
         "command": " ".join([".venv/bin/python", *sys.argv]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "load_average_1_5_15m_at_end": [round(x, 2) for x in os.getloadavg()],
         "git_commit": commit,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
@@ -102,9 +112,9 @@ def main() -> None:
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(out)
-    print(f"{'path':10s} {'T':>3s} {'users':>6s} {'events/s':>10s} {'GB/s':>7s}")
+    print(f"{'path':13s} {'T':>3s} {'users':>6s} {'events/s':>10s} {'GB/s':>7s}")
     for r in rows:
-        print(f"{r['path']:10s} {r['events_per_user']:3d} {r['users_run']:6d} "
+        print(f"{r['path']:13s} {r['events_per_user']:3d} {r['users_run']:6d} "
               f"{r['events_per_s']:10.3e} {r['state_GBps']:7.3f}")  # fmt: skip
 
 
