@@ -215,10 +215,10 @@ class Ranker:
         return self.model.n_items
 
     def prepare(self, query: RankQuery) -> RankQuery:
-        """Read ahead, in the calling thread, what the rank step of a replay request without
-        context reads besides the state: the user's latest events and the notes routed on
-        their stored q~. The service calls it in the gRPC handler thread, so this work
-        overlaps the micro-batch that runs meanwhile instead of adding to the next one.
+        """Read ahead what the rank step of a replay request without context reads besides
+        the state: the user's latest events and the notes routed on their stored q~. The
+        service's micro-batcher calls it on each request as it takes it from the queue, so
+        the routing of the requests already in overlaps the wait for the rest of the batch.
         ``rank`` uses the result only when the user's counter (``RankSources.versions``),
         read after the state snapshot, still equals the one read here before the rest:
         then the tail and notes are the ones ``rank`` would read itself; otherwise it reads

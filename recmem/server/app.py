@@ -85,6 +85,7 @@ class RankServer:
             window_ms=s.batch_window_ms,
             max_batch=s.max_batch,
             adaptive=s.adaptive_window,
+            prepare=getattr(ranker, "prepare", None),  # the Ranker reads ahead (optional)
         )
         interceptors = [BearerTokenInterceptor(s.auth_token)] if s.auth_token else []
         self.server = grpc.server(
@@ -100,7 +101,6 @@ class RankServer:
             inspector,
             timeout_s=s.request_timeout_s,
             metrics=self.metrics,
-            prepare=getattr(ranker, "prepare", None),  # optional: Ranker reads ahead
         )
         rank_pb2_grpc.add_RecMemServicer_to_server(servicer, self.server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()

@@ -54,12 +54,7 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         inspector: Inspector,
         timeout_s: float = 30.0,
         metrics: RankMetrics | None = None,
-        prepare: Callable[[RankQuery], RankQuery] | None = None,
     ) -> None:
-        """``prepare`` (``Ranker.prepare``) runs in the handler thread before a query is
-        queued, reading ahead what its micro-batch would otherwise read; if it fails the
-        query is queued as it is (the micro-batch then reads everything itself)."""
-        self._prepare = prepare
         self._batcher = batcher
         self._vocab = vocab
         self._limits = limits
@@ -91,11 +86,6 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             query = to_query(request, self._vocab, self._limits)
         except InvalidRequest as e:
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if self._prepare is not None:
-            try:
-                query = self._prepare(query)
-            except Exception:  # noqa: BLE001 - the micro-batch reads it again (and reports)
-                log.exception("reading ahead for a rank request failed")
         try:
             fut = self._batcher.submit(query)
         except BatcherStopped as e:

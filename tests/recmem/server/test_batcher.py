@@ -49,3 +49,23 @@ def test_fixed_window_is_waited_out_without_adaptive() -> None:
         assert batcher.busy_seconds >= 0.0
     finally:
         batcher.stop()
+
+
+def test_prepare_runs_on_queued_requests_in_the_worker() -> None:
+    threads: set[str] = set()
+
+    def prepare(x: int) -> int:
+        threads.add(threading.current_thread().name)
+        if x == 3:
+            raise ValueError("cannot prepare 3")
+        return 10 * x
+
+    batcher: MicroBatcher[int, int] = MicroBatcher(
+        lambda xs: [x + 1 for x in xs], window_ms=0, max_batch=4, name="w", prepare=prepare
+    )
+    try:
+        # prepared (x10) before the handler; a failing prepare leaves the request as it was
+        assert [batcher.submit(x).result(timeout=10) for x in (1, 2, 3)] == [11, 21, 4]
+        assert threads == {"w"}
+    finally:
+        batcher.stop()
