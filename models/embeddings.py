@@ -4,10 +4,13 @@ The tables live in a torchrec ``EmbeddingCollection`` and are looked up on a
 ``KeyedJaggedTensor`` of per-user event lists (features item/action/gap). A padded path
 does the same lookups with ``F.embedding`` on the same weight tensors and gives identical
 numbers; it is used where the KJT path is not available (torchrec missing, or its jagged
-ops lacking kernels for the device) and on the engine's hot path. With the CPU-only
-fbgemm (fbgemm-gpu-cpu) the KJT path cannot run on CUDA tensors: ``KeyedJaggedTensor.to_dict``
-calls ``fbgemm::asynchronous_complete_cumsum``, which has CPU and Meta kernels only;
-``kjt_available`` probes this once per device. If torchrec cannot be imported, a plain module with the same attribute
+ops lacking kernels for the device) and on the engine's hot path. ``kjt_available`` probes
+the path once per device. On an H200 with torchrec 1.6.1 and the CPU-only fbgemm 1.6.0,
+KJT construction, ``to_dict`` and ``EmbeddingCollection.forward`` ran on CUDA tensors and
+equalled the padded path, while fbgemm's jagged kernels (``asynchronous_complete_cumsum``
+behind ``KeyedJaggedTensor.offsets``, ``permute_2D_sparse_data``, ``jagged_to_padded_dense``)
+had no CUDA kernels (bench/results/torchrec_probe_h200.json); a torchrec version whose
+lookups need them falls back to the padded path through the probe. If torchrec cannot be imported, a plain module with the same attribute
 layout holds the tables, so checkpoints load either way.
 """
 
