@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from models.memory.chunk import memory_scan_chunk
+from models.memory.chunk_aligned import memory_scan_chunk_aligned
 from models.memory.naive import l2norm, memory_scan_reference, memory_step_reference
 from models.memory.ops import BACKENDS, memory_scan, resolve_backend
 from models.memory.proteus import (
@@ -93,7 +94,9 @@ def test_last_block_takes_the_remainder():
 
 
 @pytest.mark.parametrize("momentum", [True, False])
-@pytest.mark.parametrize("fn", [memory_scan_reference, memory_scan_recurrent])
+@pytest.mark.parametrize(
+    "fn", [memory_scan_reference, memory_scan_recurrent, memory_scan_chunk_aligned]
+)
 def test_locked_rows_bit_identical(fn, momentum):
     K, E, N = 12, 4, 40  # Delta = 10; rows open 3 per 10 events
     inp = make_inputs(3, 8, 2, K, 5, momentum=momentum)
@@ -113,13 +116,13 @@ def test_locked_rows_bit_identical(fn, momentum):
             assert M is inp["M0"] or torch.equal(M, inp["M0"])
 
 
-@pytest.mark.parametrize("path", ["reference", "recurrent", "chunk"])
+@pytest.mark.parametrize("path", ["reference", "recurrent", "chunk", "chunk_aligned"])
 @pytest.mark.parametrize("momentum", [True, False])
 def test_one_block_is_the_unmasked_rule(momentum, path):
     inp = make_inputs(2, 6, 2, 8, 5, momentum=momentum)
     inp["lengths"] = torch.tensor([6, 6])
     fn = {"reference": memory_scan_reference, "recurrent": memory_scan_recurrent,
-          "chunk": memory_scan_chunk}[path]  # fmt: skip
+          "chunk": memory_scan_chunk, "chunk_aligned": memory_scan_chunk_aligned}[path]  # fmt: skip
     y, S, M = scan(fn, inp, n_blocks=1, horizon=3)
     for b in range(2):
         Sb, Mb = inp["S0"][b].clone(), inp["M0"][b].clone()
@@ -185,17 +188,18 @@ def test_step_by_step_equals_one_call(momentum):
     torch.testing.assert_close(S1, S_ref[0], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("fn", [memory_scan_recurrent, memory_scan_chunk_aligned])
 @pytest.mark.parametrize("momentum", [True, False])
-def test_padding_is_an_exact_no_op(momentum):
+def test_padding_is_an_exact_no_op(momentum, fn):
     inp = make_inputs(4, 6, 2, 8, 3, momentum=momentum, seed=5)
     kw = dict(n_blocks=4, horizon=16)
-    y, S, M = scan(memory_scan_recurrent, inp, **kw)
+    y, S, M = scan(fn, inp, **kw)
     longer = dict(inp)
     for name in ("q", "k", "v", "theta", "eta", "alpha"):
         if inp[name] is not None:
             x = inp[name]
             longer[name] = torch.cat([x, torch.randn_like(x[:, :4]) + 5], dim=1)
-    y2, S2, M2 = scan(memory_scan_recurrent, longer, **kw)
+    y2, S2, M2 = scan(fn, longer, **kw)
     assert torch.equal(S2, S)
     assert torch.equal(y2[:, :6], y)
     assert not y2[:, 6:].any()
@@ -205,15 +209,16 @@ def test_padding_is_an_exact_no_op(momentum):
         assert torch.equal(M2, M)
 
 
-@pytest.mark.parametrize("path", ["recurrent", "chunk"])
+@pytest.mark.parametrize("path", ["recurrent", "chunk", "chunk_aligned"])
 @pytest.mark.parametrize("momentum", [True, False])
 def test_saved_state_continues_identically(momentum, path, tmp_path):
     inp = make_inputs(3, 10, 2, 8, 4, momentum=momentum, seed=7)
     inp["lengths"] = torch.tensor([10, 10, 10])
     kw = dict(n_blocks=4, horizon=16)
     y_all, S_all, M_all = scan(memory_scan_recurrent, inp, **kw)
-    fn = memory_scan_recurrent if path == "recurrent" else memory_scan_chunk
-    same = torch.equal if path == "recurrent" else torch.allclose  # chunk: other sum order
+    fn = {"recurrent": memory_scan_recurrent, "chunk": memory_scan_chunk,
+          "chunk_aligned": memory_scan_chunk_aligned}[path]  # fmt: skip
+    same = torch.equal if path == "recurrent" else torch.allclose  # chunks: other sum order
     names = ("q", "k", "v", "theta", "eta", "alpha")
     first = {n: None if inp[n] is None else inp[n][:, :4] for n in names}
     rest = {n: None if inp[n] is None else inp[n][:, 4:] for n in names}
