@@ -239,10 +239,13 @@ class UserStateStore:
         new = min(self.capacity, max(2 * old, old + needed))
         if new <= old:
             return
-        extra = self.layout.zeros(new - old, self.device)
-        self.slab = _from_fields(
-            {k: torch.cat([v, _fields(extra)[k]]) for k, v in _fields(self.slab).items()}
-        )
+        grown = {}
+        for k, v in _fields(self.slab).items():
+            g = v.new_empty((new, *v.shape[1:]))
+            g[:old].copy_(v)
+            g[old:].zero_()  # one pass over the new rows (zeros then a copy made two)
+            grown[k] = g
+        self.slab = _from_fields(grown)
         self._free.extend(range(new - 1, old - 1, -1))
 
     def gather(self, user_ids: Sequence[str]) -> tuple[MemoryState, torch.Tensor]:
@@ -288,7 +291,9 @@ class UserStateStore:
         slots = torch.tensor(
             [self._slot_of[u] for u in user_ids], dtype=torch.int64, device=self.device
         )
-        return self.slab.index(slots), slots
+        # index_select copies whole rows (memcpy); plain indexing gathers element-wise
+        gathered = {k: v.index_select(0, slots) for k, v in _fields(self.slab).items()}
+        return _from_fields(gathered), slots
 
     def scatter(self, slots: torch.Tensor, state: MemoryState) -> None:
         """Write updated states of the slots returned by :meth:`gather`."""
