@@ -210,7 +210,13 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
         b = servers[msg].batcher
         steps = dict(stack.ranker.seconds) if msg == "memory" else {}
         conn.send(
-            {"batches": b.batches, "requests": b.requests, "busy_s": b.busy_seconds, "steps": steps}
+            {
+                "batches": b.batches,
+                "requests": b.requests,
+                "busy_s": b.busy_seconds,
+                "collect_s": b.collect_seconds,
+                "steps": steps,
+            }
         )
     for s in servers.values():
         s.stop(grace=1.0)
@@ -412,6 +418,8 @@ def main() -> None:
                 busy = after["busy_s"] - before["busy_s"]
                 cell["mean_batch_ms"] = 1000.0 * busy / max(n_b, 1)
                 cell["worker_busy_share"] = busy / seconds
+                collect = after["collect_s"] - before["collect_s"]
+                cell["mean_collect_ms"] = 1000.0 * collect / max(n_b, 1)
                 cell["batch_ms_by_step"] = {
                     k: 1000.0 * (v - before["steps"][k]) / max(n_b, 1)
                     for k, v in after["steps"].items()
@@ -423,7 +431,8 @@ def main() -> None:
                     f"{system:6s} c={c:2d} {shape:7s} R={replay}: p50 {cell['p50_ms']:6.2f}"
                     f" ms  p99 {cell['p99_ms']:6.2f} ms  {cell['throughput_rps']:7.1f}"
                     f" req/s  batch {cell['mean_batch']:.1f} ({cell['mean_batch_ms']:.1f} ms,"
-                    f" busy {cell['worker_busy_share']:.0%})"
+                    f" busy {cell['worker_busy_share']:.0%}, collect"
+                    f" {cell['mean_collect_ms']:.1f} ms)"
                     + "".join(f" {k} {v:.1f}" for k, v in cell["batch_ms_by_step"].items())
                     + f"  load {cell['load_avg_1m']:.1f}",
                     flush=True,

@@ -74,6 +74,9 @@ class MicroBatcher(Generic[T, R]):
         """Most requests seen in one batch."""
         self.busy_seconds = 0.0
         """Wall time spent in the handler so far."""
+        self.collect_seconds = 0.0
+        """Wall time from the first request of a batch to its close (the window and the
+        ``prepare`` calls) so far; the rest of the worker's time it waits for a first one."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -138,7 +141,9 @@ class MicroBatcher(Generic[T, R]):
             first = self._queue.get()
             if first is _STOP:
                 break
+            opened = time.perf_counter()
             batch, stop = self._collect(first)
+            self.collect_seconds += time.perf_counter() - opened
             self._last_size = len(batch)
             live = [(item, fut) for item, fut in batch if fut.set_running_or_notify_cancel()]
             if not live:
