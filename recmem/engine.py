@@ -276,6 +276,9 @@ class Engine:
     def snapshot(self, user_ids: Sequence[str]) -> MemoryState:
         """Copies of the users' states on the engine's device (zero states for unknown
         users); changing them never touches the live state."""
+        resident = self.store.read_resident(user_ids)
+        if resident is not None:  # every user on the slab: one gather on its device
+            return _to(resident, self.device)
         out = self.store.layout.zeros(len(user_ids))
         known = [i for i, u in enumerate(user_ids) if u in self.store]
         if known:

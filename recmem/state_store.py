@@ -311,6 +311,16 @@ class UserStateStore:
 
     # ---- read-only access, drop, figures -----------------------------------------------
 
+    def read_resident(self, user_ids: Sequence[str]) -> MemoryState | None:
+        """Copies of the users' states gathered on the slab's device, when every one of them
+        is resident there (None otherwise); tiers and LRU are untouched. On a GPU this skips
+        the host round trip of ``read``."""
+        slots = [self._slot_of.get(u) for u in user_ids]
+        if not user_ids or any(s is None for s in slots):
+            return None
+        rows = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return _from_fields({n: t.index_select(0, rows) for n, t in _fields(self.slab).items()})
+
     def read(self, user_ids: Sequence[str]) -> MemoryState:
         """A host copy of known users' states from any tier, without changing tiers or LRU."""
         out = self.layout.zeros(len(user_ids))

@@ -54,6 +54,16 @@ def test_random_access_bit_exact_through_every_tier(tmp_path, momentum):
         got = store.read(some)
         for j, u in enumerate(some):
             assert_state_equal(got.index(slice(j, j + 1)), truth[u])
+        # read_resident: the same copies, only when every user is on the slab
+        fast = store.read_resident(some)
+        on_slab = [u in store._slot_of for u in some]
+        if all(on_slab):
+            assert fast is not None
+            assert_state_equal(fast, got)
+            fast.S.add_(1.0)  # a copy: the live state does not move
+            assert_state_equal(store.read(some), got)
+        else:
+            assert fast is None
     assert seen_tiers == {"device", "host", "disk"}
     assert set(store.users()) == set(truth)
     assert len(store) == len(truth)
