@@ -4,7 +4,7 @@
 
 H=4, K=V=64, the momentum rule, {1, 16, 64} new events per user; paths: the reference, the
 recurrent path (one step per event), the chunked form for training and the aligned chunked
-form for inference (what ``auto`` runs on CPU batches of >= 20 events without gradients). The target batch is
+form for inference (what ``auto`` runs on large CPU batches without gradients). The target batch is
 8192 users; on a small shared CPU a path that would take minutes runs on a subsample of
 users (about ``--event-budget`` events per measurement, ``--reference-budget`` for the
 one-event-at-a-time reference) and the JSON records the users actually run. GB/s counts the

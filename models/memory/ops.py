@@ -44,10 +44,14 @@ ALIASES = {"fla": "fla_chunk"}
 TAKES_CHUNK_SIZE = ("chunk", "chunk_aligned")
 
 CPU_CHUNK_MIN_EVENTS = 20
-"""On the CPU without gradients, ``auto`` runs batches at least this many events wide (T)
-in aligned chunks and narrower ones one event at a time (bench/bench_memory.py measures
-both paths per T; the chunked form touches the state once per chunk, not once per event,
-but pays a fixed set-up per call)."""
+CPU_CHUNK_MIN_CELLS = 320
+CPU_CHUNK_ALWAYS_EVENTS = 48
+"""On the CPU without gradients, ``auto`` runs a batch of B users and T events in aligned
+chunks when T >= CPU_CHUNK_ALWAYS_EVENTS, or T >= CPU_CHUNK_MIN_EVENTS and B * T >=
+CPU_CHUNK_MIN_CELLS; narrower or smaller batches run one event at a time. The chunked
+form touches the state once per chunk, not once per event, but pays a fixed set-up per call
+and pads each user's first chunk; the thresholds are where the two paths measured level
+(the engine's ML-100K calls, and single users to batches of 16 at 20-64 events)."""
 CPU_CHUNK_MIN_SIZE = 4
 """... and only when the aligned chunk (a divisor of the schedule's Delta) is this wide."""
 
@@ -74,15 +78,16 @@ def resolve_backend(
     training: bool,
     *,
     length: int | None = None,
+    users: int = 1,
     chunk: int = 1,
 ) -> str:
     """The backend ``auto`` stands for on this device; aliases resolve, other names pass.
 
     Training needs gradients: the chunked form everywhere. Inference: our Triton kernel on
-    CUDA (both variants); on CPU the aligned chunked form for batches ``length`` >=
-    CPU_CHUNK_MIN_EVENTS events wide whose aligned chunk size ``chunk`` is >=
-    CPU_CHUNK_MIN_SIZE (no gradient wanted: ``length`` given), else the vectorised
-    recurrent path.
+    CUDA (both variants); on CPU the aligned chunked form for batches of ``users`` users
+    ``length`` events wide that are large enough (CPU_CHUNK_*) and whose aligned chunk size
+    ``chunk`` is >= CPU_CHUNK_MIN_SIZE (no gradient wanted: ``length`` given), else the
+    vectorised recurrent path.
     """
     if name != "auto":
         return ALIASES.get(name, name)
@@ -90,8 +95,10 @@ def resolve_backend(
         return "chunk"
     if device.type == "cuda":
         return "triton"
-    if length is not None and length >= CPU_CHUNK_MIN_EVENTS and chunk >= CPU_CHUNK_MIN_SIZE:
-        return "chunk_aligned"
+    if length is not None and chunk >= CPU_CHUNK_MIN_SIZE:
+        wide = length >= CPU_CHUNK_MIN_EVENTS and users * length >= CPU_CHUNK_MIN_CELLS
+        if wide or length >= CPU_CHUNK_ALWAYS_EVENTS:
+            return "chunk_aligned"
     return "recurrent"
 
 
@@ -109,7 +116,9 @@ def memory_scan(
     if not (torch.is_grad_enabled() and any(_needs_grad(a) for a in (*args, *kwargs.values()))):
         length = q.shape[1]
     chunk = aligned_chunk_size(chunk_size, kwargs["n_blocks"], kwargs["horizon"])
-    name = resolve_backend(backend, q.device, training, length=length, chunk=chunk)
+    name = resolve_backend(
+        backend, q.device, training, length=length, users=q.shape[0], chunk=chunk
+    )
     if name not in BACKENDS:
         raise ValueError(
             f"memory backend {name!r} is not available here (have: {sorted(BACKENDS)})"

@@ -9,7 +9,13 @@ import torch
 
 from models.memory.chunk_aligned import aligned_chunk_size, memory_scan_chunk_aligned
 from models.memory.naive import memory_scan_reference
-from models.memory.ops import CPU_CHUNK_MIN_EVENTS, memory_scan, resolve_backend
+from models.memory.ops import (
+    CPU_CHUNK_ALWAYS_EVENTS,
+    CPU_CHUNK_MIN_CELLS,
+    CPU_CHUNK_MIN_EVENTS,
+    memory_scan,
+    resolve_backend,
+)
 from models.memory.proteus import open_rows
 from models.memory.recurrent import memory_scan_recurrent
 from tests.models.test_memory import make_inputs
@@ -107,19 +113,25 @@ def test_aligned_stable_in_float32_at_the_default_sizes(momentum):
         assert (M.double() - M_ref).norm() / M_ref.norm() < 1e-5
 
 
-def test_auto_picks_the_aligned_chunks_for_wide_cpu_batches_without_gradients():
+def test_auto_picks_the_aligned_chunks_for_large_cpu_batches_without_gradients():
     cpu = torch.device("cpu")
-    wide = CPU_CHUNK_MIN_EVENTS
-    assert resolve_backend("auto", cpu, False, length=wide, chunk=16) == "chunk_aligned"
-    assert resolve_backend("auto", cpu, False, length=wide - 1, chunk=16) == "recurrent"
-    assert resolve_backend("auto", cpu, False, length=wide, chunk=1) == "recurrent"
+    T, many = CPU_CHUNK_MIN_EVENTS, -(-CPU_CHUNK_MIN_CELLS // CPU_CHUNK_MIN_EVENTS)
+
+    def pick(length, users, chunk=16, training=False):
+        return resolve_backend("auto", cpu, training, length=length, users=users, chunk=chunk)
+
+    assert pick(T, many) == "chunk_aligned"
+    assert pick(T, many - 1) == "recurrent"  # too few cells for the set-up to pay
+    assert pick(T - 1, 1000) == "recurrent"  # too narrow
+    assert pick(CPU_CHUNK_ALWAYS_EVENTS, 1) == "chunk_aligned"
+    assert pick(CPU_CHUNK_ALWAYS_EVENTS, 1, chunk=1) == "recurrent"  # Delta too small
+    assert pick(T, many, training=True) == "chunk"
     assert resolve_backend("auto", cpu, False) == "recurrent"  # a gradient is wanted
-    assert resolve_backend("auto", cpu, True, length=wide, chunk=16) == "chunk"
 
 
 def test_memory_scan_auto_equals_reference_for_narrow_and_wide_batches():
     kw = dict(n_blocks=4, horizon=32)
-    for T in (3, CPU_CHUNK_MIN_EVENTS + 5):
+    for T in (3, CPU_CHUNK_ALWAYS_EVENTS + 5):
         inp = make_inputs(5, T, 2, 8, 3, seed=T)
         y_ref, S_ref, M_ref = memory_scan_reference(**inp, **kw)
         y, S, M = memory_scan(**inp, **kw, backend="auto", chunk_size=16)
@@ -128,7 +140,7 @@ def test_memory_scan_auto_equals_reference_for_narrow_and_wide_batches():
 
 
 def test_memory_scan_auto_keeps_gradients_when_an_input_needs_them():
-    inp = make_inputs(3, CPU_CHUNK_MIN_EVENTS + 2, 2, 8, 3, seed=5)
+    inp = make_inputs(3, CPU_CHUNK_ALWAYS_EVENTS + 2, 2, 8, 3, seed=5)
     inp["q"] = inp["q"].clone().requires_grad_(True)
     y, _, _ = memory_scan(**inp, n_blocks=2, horizon=8, backend="auto")
     assert y.requires_grad
