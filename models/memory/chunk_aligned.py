@@ -3,19 +3,21 @@
 Same signature and semantics as ``naive.memory_scan_reference``, no autograd (ingest,
 ranking, evaluation). The general chunked form (``chunk.py``) carries every gate per key
 row, [C, C, K] products per chunk, because the Proteus mask makes the gates differ by row.
-But the mask only changes when the position crosses a multiple of Delta (``proteus.py``).
-Shift each user's events right by ``pos0 mod C`` padding events (exact no-ops) with C a
-divisor of Delta: then every chunk holds events of one mask state, and per chunk a row is
-either open for all its events or locked for all of them. Open rows see scalar gates per
-(event, head); padding events inside a chunk are the scalar gates a = e = 1, o = 0 with
-k~ = q~ = 0. So the chunk algebra of ``chunk.py`` runs on [C, C] scalars, and locked rows
-only need the chunk's decay factors replaced by 1 (S, M) and 0 (M into S); k~ is exactly 0
-on them, so the rank-C update writes exact zeros there and they keep their bits.
+But the mask only changes where the position t crosses 1 + j Delta (``proteus.py``). Shift
+each user whose events cross such a change right by ``pos0 mod C`` padding events (exact
+no-ops), C a divisor of Delta: then every chunk holds events of one mask state, and per
+chunk a row is either open for all its events or locked for all of them. Open rows see
+scalar gates per (event, head); padding events inside a chunk are the scalar gates
+a = e = 1, o = 0 with k~ = q~ = 0. So the chunk algebra of ``chunk.py`` runs on [C, C]
+scalars, and locked rows only need the chunk's decay factors replaced by 1 (S, M) and 0
+(M into S); k~ is exactly 0 on them, so the rank-C update writes exact zeros there and
+they keep their bits.
 
-With S and M stacked as one [2K, V] matrix per (user, head), a chunk is one matmul that
-reads the state (the chunk's w, before the triangular solve folded in, and its outputs), two
-row-scalings and one rank-C update: the state is touched once per chunk instead of several
-times per event. The derivation is in docs/memory.md ("Aligned chunks for inference").
+With S and M side by side as one [K, 2V] matrix per (user, head), a chunk is one matmul
+that reads the state ([k~; q~] of the chunk's events times [S | M]), three row scalings and
+one rank-C update through k~^T: the state is touched a few times per chunk instead of
+several times per event. The derivation and the measured costs are in docs/memory.md
+(``chunk_aligned``).
 """
 
 from __future__ import annotations
