@@ -188,24 +188,10 @@ class EngineSources:
         self.lock: AbstractContextManager[Any] = lock if lock is not None else nullcontext()
 
     def snapshot(self, user_ids: Sequence[str]) -> MemoryState:
-        """Copies of the users' states on the engine's device. When every user is known
-        the store's host copy is the snapshot (``Engine.snapshot`` would copy it once more
-        into a zero state to fill in unknown users)."""
-        engine = self.engine
+        """``Engine.snapshot`` under the lock: one gather on the engine's device when every
+        user is resident on the slab, else a host copy with zeros for unknown users."""
         with self.lock:
-            store = engine.store
-            if not all(u in store for u in user_ids):
-                return engine.snapshot(user_ids)
-            state = store.read(user_ids)
-        if state.S.device == engine.device:
-            return state
-        return MemoryState(
-            state.S.to(engine.device),
-            None if state.M is None else state.M.to(engine.device),
-            state.pos.to(engine.device),
-            state.last_ts.to(engine.device),
-            state.h.to(engine.device),
-        )
+            return self.engine.snapshot(user_ids)
 
     def recent_events(self, user_id: str, n: int) -> UserEvents:
         return self.recent.recent(user_id, n) if self.recent is not None else UserEvents.empty()

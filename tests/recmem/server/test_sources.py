@@ -1,5 +1,6 @@
-"""EngineSources.snapshot (every user known: the store's copy, no second one) against
-Engine.snapshot, on users in every tier, with repeats and unknown users."""
+"""EngineSources.snapshot (Engine.snapshot under the lock: one gather for slab-resident
+users, else a host copy) on users in every tier, with repeats and unknown users: equal
+copies, and private ones."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> RankEnv:
 @pytest.mark.parametrize(
     "users",
     [
+        ["user0", "user5", "user4"],  # all on the slab: one gather
         ["user0", "user5", "user3"],  # slab and host tiers (4 slab slots for 6 users)
         ["user2", "user2", "user4"],  # the same user twice in one micro-batch
         ["user1", "nobody", "user0"],  # an unknown user: zeros, position 0
