@@ -145,13 +145,15 @@ def test_final_pass_diagnostics(env: RankEnv) -> None:
     from models.recommender import padded_batch
     from offline_eval.notebank_eval import FINAL_PASSES
 
+    import copy
+
+    cfg = copy.deepcopy(env.cfg)
+    cfg.server.replay_query_events = 1  # the diagnostics split the one re-read event
     seqs = seqs_of(env)
     rows = query_rows(seqs, 3)
     plain = env.model.user_vectors(seqs, rows)
     vec = {
-        fp: NotebankScorer(env.model, env.cfg, replay_notes=2, final_pass=fp).user_vectors(
-            seqs, rows
-        )
+        fp: NotebankScorer(env.model, cfg, replay_notes=2, final_pass=fp).user_vectors(seqs, rows)
         for fp in FINAL_PASSES
     }
     pos = rows - seqs.offsets[seqs.user_of_event()[rows]]

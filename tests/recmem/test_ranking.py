@@ -85,9 +85,10 @@ def test_stored_queries_are_the_q_of_the_latest_event(env: RankEnv) -> None:
 def test_replay_runs_routed_notes_then_the_query_events(env: RankEnv, R: int) -> None:
     assert env.stack.bank.note_count("user2") >= 4
     (res,) = env.stack.ranker.rank([RankQuery("user2", k=N_ITEMS, replay_notes=R)])
-    recent = env.stack.sources.recent_events("user2", env.cfg.server.replay_query_events)
-    stored = env.stack.sources.recent_queries("user2", 1)
-    assert len(recent) == 1 and stored is not None
+    n_query = env.cfg.server.replay_query_events
+    recent = env.stack.sources.recent_events("user2", n_query)
+    stored = env.stack.sources.recent_queries("user2", n_query)
+    assert len(recent) == n_query and stored is not None and len(stored) == n_query
     routed = env.stack.bank.route("user2", stored, R)
     notes = [UserEvents(n.items, n.actions, n.ts_ms) for n in routed]
     assert 1 <= len(notes) <= R and res.notes_replayed == len(notes)
