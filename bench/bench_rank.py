@@ -49,7 +49,13 @@ sys.path.insert(0, str(ROOT))
 CONCURRENCY = (1, 8, 32)
 SHAPE_NAMES = ("cand100", "catalog")
 REPLAY = (0, 2, 4)
-SERVER_FIELDS = ("batch_window_ms", "adaptive_window", "max_batch", "threads")
+SERVER_FIELDS = (
+    "batch_window_ms",
+    "adaptive_window",
+    "max_batch",
+    "threads",
+    "replay_query_events",
+)
 K = 10
 N_CANDIDATES = 100
 SASREC_WINDOW = 200
