@@ -85,7 +85,7 @@ class RankServer:
             window_ms=s.batch_window_ms,
             max_batch=s.max_batch,
             adaptive=s.adaptive_window,
-            prepare=getattr(ranker, "prepare", None),  # the Ranker reads ahead (optional)
+            prepare=getattr(ranker, "prepare", None) if s.read_ahead else None,
         )
         interceptors = [BearerTokenInterceptor(s.auth_token)] if s.auth_token else []
         self.server = grpc.server(
