@@ -216,9 +216,9 @@ class Ranker:
 
     def prepare(self, query: RankQuery) -> RankQuery:
         """Read ahead what the rank step of a replay request without context reads besides
-        the state: the user's latest events and the notes routed on their stored q~. The
-        service's micro-batcher calls it on each request as it takes it from the queue, so
-        the routing of the requests already in overlaps the wait for the rest of the batch.
+        the state: the user's latest events and the notes routed on their stored q~. With
+        ``server.read_ahead`` the service's micro-batcher calls it on each request as it
+        takes it from the queue (off by default: see docs/serving.md, Read-ahead).
         ``rank`` uses the result only when the user's counter (``RankSources.versions``),
         read after the state snapshot, still equals the one read here before the rest:
         then the tail and notes are the ones ``rank`` would read itself; otherwise it reads
