@@ -135,10 +135,14 @@ def run_demo(
     *,
     n_users: int = 3,
     k: int = 10,
-    replay_notes: int = 4,
+    replay_notes: int | None = None,
     ingest_timeout_s: float = 420.0,
 ) -> DemoResult:
+    """``replay_notes``: R of the replay requests (default ``archive.replay_notes``)."""
     from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+
+    if replay_notes is None:
+        replay_notes = cfg.archive.replay_notes
 
     metrics = ensure_model(cfg, out, train)
     data = load_dataset(cfg.data.dataset, cfg.data)

@@ -59,7 +59,8 @@ def test_demo_streams_ranks_and_cleans_up(tmp_path):
             assert all(isinstance(t, str) and t for t, _ in items)
     # the heavy user has closed chunks, hence notes to replay: replay changes its scores
     heavy = result.users[0]
-    assert result.rankings[heavy]["no replay"] != result.rankings[heavy]["replay R=4"]
+    replayed = f"replay R={cfg.archive.replay_notes}"  # the configured R by default
+    assert result.rankings[heavy]["no replay"] != result.rankings[heavy][replayed]
     text = format_demo(result, "ml-100k")
     assert "ndcg@10" in text and heavy in text
     leftover = child_pids() - children_before
