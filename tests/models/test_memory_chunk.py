@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from models.memory.chunk import memory_scan_chunk
+from models.memory.chunk_aligned import memory_scan_chunk_aligned
 from models.memory.naive import memory_scan_reference
 from models.memory.proteus import open_rows
 from models.memory.recurrent import memory_scan_recurrent
@@ -47,14 +48,20 @@ def test_chunk_keeps_locked_rows_bit_identical(momentum):
             assert torch.equal(M[b, :, rows:], inp["M0"][b, :, rows:])
 
 
-def test_chunk_with_gates_at_their_limits():
-    """eta = 0 and alpha = 1 (products that hit zero) are exact, not NaN."""
-    inp = make_inputs(3, 9, 1, 6, 3, seed=4)
+@pytest.mark.parametrize(
+    ("scan", "T"),
+    [(memory_scan_chunk, 9), (memory_scan_chunk_aligned, 19)],
+    ids=["chunk", "aligned"],
+)
+def test_chunked_forms_with_gates_at_their_limits(scan, T):
+    """eta = 0 and alpha = 1 (products that hit zero) are exact, not NaN, in both chunked
+    forms (the training one and the aligned CPU inference one)."""
+    inp = make_inputs(3, T, 1, 6, 3, seed=4)
     inp["eta"][:, ::3] = 0.0
     inp["alpha"][:, 1::4] = 1.0
     kw = dict(n_blocks=2, horizon=8)
     ref = memory_scan_reference(**inp, **kw)
-    out = memory_scan_chunk(**inp, **kw, chunk_size=4)
+    out = scan(**inp, **kw, chunk_size=4)
     for a, b in zip(out, ref, strict=True):
         torch.testing.assert_close(a, b, **TIGHT)
 
