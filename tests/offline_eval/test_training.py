@@ -13,6 +13,7 @@ from offline_eval.training import SPLIT_PREFIX, apply_demo_preset, prepare_split
 from recmem.cli import main
 from recmem.config import Config
 from recmem.modelstore import load_model
+from tests.models.test_train import tiny_config
 
 
 def write_csv(path: Path, n_users: int = 30, n_items: int = 25, per_user: int = 20) -> None:
@@ -28,21 +29,11 @@ def write_csv(path: Path, n_users: int = 30, n_items: int = 25, per_user: int = 
 
 
 def tiny_cfg(tmp_path: Path, dataset: str) -> Config:
-    cfg = Config()
+    cfg = tiny_config(epochs=3)
+    cfg.model.dropout = Config().model.dropout  # these tests train with the default dropout
+    cfg.model.n_oov_buckets = 4
     cfg.data.dataset = dataset
     cfg.data.cache_dir = str(tmp_path / "cache")
-    cfg.memory.key_dim = cfg.memory.value_dim = 8
-    cfg.memory.n_heads = 2
-    cfg.memory.n_blocks = 2
-    cfg.memory.horizon = 8
-    cfg.memory.backend = "recurrent"
-    cfg.model.embed_dim = 16
-    cfg.model.n_oov_buckets = 4
-    cfg.train.epochs = 3
-    cfg.train.batch_size = 8
-    cfg.train.segment_len = 8
-    cfg.train.lr = 1e-2
-    cfg.train.device = "cpu"
     return cfg
 
 
