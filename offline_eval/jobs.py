@@ -15,6 +15,7 @@ ablation whose models were trained in separate sessions); the split counts must 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -37,8 +38,6 @@ def training_groups(
     specs: dict[str, tuple[str, list[str]]], config_of: Callable[[list[str]], Config]
 ) -> list[list[str]]:
     """Specs in request order, grouped so that specs sharing a training run together."""
-    import dataclasses
-
     groups: dict[Any, list[str]] = {}
     for spec, (name, overrides) in specs.items():
         key: Any = spec

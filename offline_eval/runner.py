@@ -248,6 +248,11 @@ def run_eval(
         if name not in known:
             raise ValueError(f"unknown model {name!r}; known: {sorted(known)}")
         model_config(cfg, overrides)  # fail before any work on a bad override
+    if cfg.eval.checkpoint:  # likewise a checkpoint that is not there
+        from recmem.modelstore import MODEL_FILE
+
+        if not (Path(cfg.eval.checkpoint) / MODEL_FILE).is_file():
+            raise FileNotFoundError(f"eval.checkpoint: no trained model at {cfg.eval.checkpoint}")
     split = TimeSplit.load(split_path) if split_path else load_or_build_split(cfg, dataset)
     out.mkdir(parents=True, exist_ok=True)
     entries: dict[str, dict[str, Any]] = {}

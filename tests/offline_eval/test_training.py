@@ -135,3 +135,8 @@ def test_eval_of_a_trained_checkpoint(tmp_path: Path) -> None:
     write_csv(other, n_items=30)
     with pytest.raises(ValueError, match="vocabulary|boundaries"):
         run_eval(ecfg, f"csv:{other}", ["memory-proteus"], tmp_path / "f")
+    # a checkpoint that is not there fails before the split is built or anything trains
+    ecfg.eval.checkpoint = str(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match="eval.checkpoint"):
+        run_eval(ecfg, f"csv:{other}", ["memory-proteus"], tmp_path / "g")
+    assert not (tmp_path / "g").exists()
