@@ -137,15 +137,15 @@ def synthetic_histories(
     return out
 
 
-def serve(args: argparse.Namespace, conn: Any) -> None:
-    """Child process: build, ingest, serve both services, answer control messages."""
+def build_memory_stack(args: argparse.Namespace) -> dict[str, Any]:
+    """The memory service's stack on the default configuration (plus ``args.set``) with a
+    freshly initialised model, after ingesting the synthetic histories through
+    ``Engine.apply``: keys cfg, stack, vocab, hist, popularity, device, ingest."""
     import torch
 
     from models.recommender import MemoryRecommender
-    from models.sasrec import SASRec, SASRecConfig
     from recmem.config import Config, set_value
     from recmem.ranking import train_popularity
-    from recmem.server.app import RankServer
     from recmem.server.stack import build_rank_stack
     from recmem.vocab import ItemVocab
     from streams.validate import ValidEvent
@@ -183,7 +183,27 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
         n_events += len(batch)
     ingest_s = time.perf_counter() - t0
     notes = sum(stack.bank.note_count(u) for u in hist)
+    return {
+        "cfg": cfg,
+        "stack": stack,
+        "vocab": vocab,
+        "hist": hist,
+        "popularity": popularity,
+        "device": device,
+        "ingest": {"events": n_events, "seconds": ingest_s, "notes": notes},
+    }
 
+
+def serve(args: argparse.Namespace, conn: Any) -> None:
+    """Child process: build, ingest, serve both services, answer control messages."""
+    import torch
+
+    from models.sasrec import SASRec, SASRecConfig
+    from recmem.server.app import RankServer
+
+    built = build_memory_stack(args)
+    cfg, stack, vocab, hist = built["cfg"], built["stack"], built["vocab"], built["hist"]
+    device = built["device"]
     sasrec = SASRec(args.items, cfg.model.n_oov_buckets, SASRecConfig()).to(device).eval()
     sas_hist = {u: h[0][-SASREC_WINDOW:] for u, h in hist.items()}
     memory_server = stack.server(cfg).start()
@@ -197,7 +217,7 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
             "device": device,
             "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else cpu_name(),
             "torch_threads": torch.get_num_threads(),
-            "ingest": {"events": n_events, "seconds": ingest_s, "notes": notes},
+            "ingest": built["ingest"],
             "config": {
                 "memory": cfg.to_dict()["memory"],
                 "model": cfg.to_dict()["model"],

@@ -18,7 +18,7 @@ from torch import nn
 
 from models.embeddings import EventEmbeddings
 from models.features import previous_ts, time_gap_buckets
-from models.memory.ops import memory_scan
+from models.memory.ops import memory_readout, memory_scan
 from models.memory.recurrent import event_positions, masked_qk
 from models.sequences import EventSeqs
 from models.state import MemoryState
@@ -127,6 +127,25 @@ class MemoryLayer(nn.Module):
             kq = (kt.detach(), qt.detach())
         return self._mix(x, y), S, M, kq
 
+    def forward_readout(
+        self,
+        x: torch.Tensor,
+        S0: torch.Tensor,
+        M0: torch.Tensor | None,
+        pos0: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward``'s output [B, T, D] without the state after the events (no autograd;
+        ``memory_readout``): what a replay on a copy of the state needs."""
+        q, k, v, theta, eta, alpha = self.project(x)
+        mem = self.mem
+        y = memory_readout(
+            q, k, v, theta, eta, alpha, S0, M0, pos0, lengths,
+            n_blocks=mem.n_blocks, horizon=mem.horizon, qk_l2norm=mem.qk_l2norm,
+            backend=mem.backend, chunk_size=mem.chunk_size,
+        )  # fmt: skip
+        return self._mix(x, y.to(x.dtype))
+
     def _mix(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Output projection + residual + LayerNorm (+ feed-forward) of the memory read y
         [B, T, H, V] on top of the layer input x [B, T, D]."""
@@ -208,18 +227,7 @@ class MemoryRecommender(nn.Module):
         if T == 0:
             z = state.h.new_zeros(B, 0, self.embed_dim)
             return AdvanceResult(state, z, None)
-        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
-        gaps = time_gap_buckets(
-            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
-        )
-        x = self.embed(
-            torch.where(valid, items, 0),
-            torch.where(valid, actions, 0),
-            torch.where(valid, gaps, 0),
-            lengths,
-            use_kjt=self.use_kjt,
-        )
-        x = self.embed_dropout(self.embed_norm(x))
+        x, valid = self._event_inputs(items, actions, ts_ms, lengths, state)
         Ss, Ms, ks, qs = [], [], [], []
         for li, layer in enumerate(self.layers):
             M0 = None if state.M is None else state.M[:, li]
@@ -244,6 +252,56 @@ class MemoryRecommender(nn.Module):
         )
         kq_out = (torch.stack(ks, dim=2), torch.stack(qs, dim=2)) if return_kq else None
         return AdvanceResult(new_state, out, kq_out)
+
+    def _event_inputs(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts_ms: torch.Tensor,
+        lengths: torch.Tensor,
+        state: MemoryState,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first layer's input x [B, T, D] for new events, and valid [B, T]."""
+        T = items.shape[1]
+        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
+        gaps = time_gap_buckets(
+            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
+        )
+        x = self.embed(
+            torch.where(valid, items, 0),
+            torch.where(valid, actions, 0),
+            torch.where(valid, gaps, 0),
+            lengths,
+            use_kjt=self.use_kjt,
+        )
+        return self.embed_dropout(self.embed_norm(x)), valid
+
+    @torch.no_grad()
+    def replay_read(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts_ms: torch.Tensor,
+        lengths: torch.Tensor,
+        state: MemoryState,
+    ) -> torch.Tensor:
+        """``advance(...).state.h`` without computing the state after the events: the user
+        vectors [B, D] read after running new events ([B, T], right-padded) on a copy of
+        ``state`` (rows with no events keep ``state.h``). Each layer takes the read-out-only
+        form of the rule (``memory_readout``). The rank path's replay; no autograd, and on
+        CUDA no host synchronisation (``models.graphs`` captures it)."""
+        B, T = items.shape
+        if T == 0:
+            return state.h.clone()
+        x, _ = self._event_inputs(items, actions, ts_ms, lengths, state)
+        for li, layer in enumerate(self.layers):
+            assert isinstance(layer, MemoryLayer)
+            M0 = None if state.M is None else state.M[:, li]
+            x = layer.forward_readout(x, state.S[:, li], M0, state.pos, lengths)
+        last = torch.clamp(lengths - 1, min=0)
+        rows = torch.arange(B, device=items.device)
+        h = self.readout(x[rows, last])
+        return torch.where((lengths > 0)[:, None], h, state.h)
 
     def read_only(
         self,

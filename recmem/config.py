@@ -321,6 +321,11 @@ class ServerConfig:
     memory step is many small per-event operations, and the OpenMP workers of a thread
     other than the main one do not flush denormal floats (decaying states make those ~100x
     slower); see docs/ingest.md and bench/results/ingest_cpu.json."""
+    cuda_graphs: bool = True
+    """On a CUDA device, run the rank path's replay pass through CUDA graphs captured at
+    start for every padded shape up to ``max_batch`` requests and 64 events
+    (models/graphs.py); larger replays run eagerly. A replay on a GPU is launch-bound: see
+    docs/serving.md (Latency) for the measured effect. No effect on the CPU."""
     freeze_gc: bool = True
     """When the service turns SERVING: one full garbage collection, then ``gc.freeze()``, so
     Python's cyclic collector never walks the long-lived heap (notes, tails, vocabulary)

@@ -40,6 +40,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from models.graphs import GraphedReplay
 from models.recommender import MemoryRecommender
 from models.state import MemoryState
 
@@ -187,6 +188,8 @@ class Ranker:
         sources: RankSources,
         popularity: np.ndarray | None = None,
         query_events: int = 1,
+        cuda_graphs: bool = False,
+        max_batch: int = 64,
     ) -> None:
         if popularity is not None and len(popularity) != model.n_items:
             raise ValueError(
@@ -198,6 +201,10 @@ class Ranker:
         self.sources = sources
         self.query_events = query_events
         self.device = next(model.parameters()).device
+        self.graphs = (
+            GraphedReplay(model, max_batch) if cuda_graphs and self.device.type == "cuda" else None
+        )
+        """The replay pass under CUDA graphs (``cuda_graphs`` on a CUDA device), else None."""
         pop = np.zeros(model.n_items, np.float32) if popularity is None else popularity
         self.popularity = np.asarray(pop, np.float32)
         self._by_popularity = np.argsort(-self.popularity, kind="stable")
@@ -213,6 +220,29 @@ class Ranker:
     def n_items(self) -> int:
         """Size of the TRAIN catalog this ranker scores."""
         return self.model.n_items
+
+    def warm_up(self) -> int:
+        """Capture the replay pass's CUDA graphs for every padded shape now, not on the
+        first request of each shape; returns how many exist (0 without graphs)."""
+        if self.graphs is None:
+            return 0
+        began = time.perf_counter()
+        like = self.model.init_state(1, self.device)
+        n = self.graphs.capture_all(like)
+        log.info("replay graphs: %d shapes captured in %.1f s", n, time.perf_counter() - began)
+        return n
+
+    def _replay(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts: torch.Tensor,
+        lengths: torch.Tensor,
+        state: MemoryState,
+    ) -> torch.Tensor:
+        if self.graphs is not None:
+            return self.graphs(items, actions, ts, lengths, state)
+        return self.model.replay_read(items, actions, ts, lengths, state)
 
     def prepare(self, query: RankQuery) -> RankQuery:
         """Read ahead what the rank step of a replay request without context reads besides
@@ -281,15 +311,15 @@ class Ranker:
         user_vec = base.h
         busy = [i for i, r in enumerate(final_rows) if len(r)]
         if len(busy) == len(queries):
-            # every row runs: the snapshot is already a private copy, no second one
+            # every row runs (the read-out-only pass never writes the snapshot)
             items, actions, ts, lengths = _pad(final_rows, self.device)
-            user_vec = self.model.advance(items, actions, ts, lengths, base).state.h
+            user_vec = self._replay(items, actions, ts, lengths, base)
         elif busy:
             # only the rows with events run; the others keep their stored read-out
             rows = torch.as_tensor(busy, device=self.device)
             items, actions, ts, lengths = _pad([final_rows[i] for i in busy], self.device)
-            res = self.model.advance(items, actions, ts, lengths, base.index(rows))
-            user_vec = base.h.index_copy(0, rows, res.state.h)
+            vec = self._replay(items, actions, ts, lengths, base.index(rows))
+            user_vec = base.h.index_copy(0, rows, vec)
 
         results: list[RankResult] = []
         clock = self._lap("replay", clock)

@@ -4,10 +4,18 @@ each other's records."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton's CPU interpreter (tests/models/test_memory_triton.py) only works when the
+    # variable is set before anything imports triton; torchrec's import (any model built
+    # with torchrec installed) pulls triton in, so set it before any test module runs.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from recmem.config import KafkaConfig
 from streams.admin import ensure_topics

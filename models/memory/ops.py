@@ -24,12 +24,13 @@ import torch
 from models.memory.chunk import DEFAULT_CHUNK_SIZE, memory_scan_chunk
 from models.memory.chunk_aligned import aligned_chunk_size, memory_scan_chunk_aligned
 from models.memory.naive import memory_scan_reference
+from models.memory.readout import READOUT_MAX_EVENTS, memory_readout_chunk
 from models.memory.recurrent import flush_denormals, memory_scan_recurrent
 from models.memory.triton_momentum import memory_scan_triton
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "flush_denormals", "memory_scan", "resolve_backend"]
+__all__ = ["BACKENDS", "flush_denormals", "memory_readout", "memory_scan", "resolve_backend"]
 
 ScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
@@ -130,3 +131,32 @@ def memory_scan(
 
 def _needs_grad(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad
+
+
+CPU_READOUT_MIN_EVENTS = 16
+CPU_READOUT_MIN_USERS = 4
+"""On the CPU ``memory_readout`` takes the one-chunk form for runs of T >= 16 events or
+batches of B >= 4 users (``bench/bench_memory.py --readout``: level with the recurrent path
+at one user and ~16 events, ahead from there: 1.4x at 8 users x 24 events, 2.5x at 32);
+smaller calls walk the events. On CUDA it always does (no host synchronisation: the rank
+path can capture it in a CUDA graph)."""
+
+
+def memory_readout(
+    *args: Any,
+    backend: str = "auto",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """y of ``memory_scan`` without the state after the events (no autograd): the rank
+    path's replay on a throw-away copy. ``auto`` runs ``readout.memory_readout_chunk`` when
+    the run is at most READOUT_MAX_EVENTS long and, on the CPU, wide enough (above); any
+    other case, or an explicit backend, runs ``memory_scan`` and drops its state."""
+    q = args[0] if args else kwargs["q"]
+    B, T = q.shape[:2]
+    if backend == "auto" and T <= READOUT_MAX_EVENTS:
+        wide = T >= CPU_READOUT_MIN_EVENTS or B >= CPU_READOUT_MIN_USERS
+        if q.device.type == "cuda" or wide:
+            return memory_readout_chunk(*args, **kwargs)
+    with torch.no_grad():
+        return memory_scan(*args, backend=backend, chunk_size=chunk_size, **kwargs)[0]

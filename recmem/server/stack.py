@@ -112,7 +112,15 @@ def build_rank_stack(
     engine = Engine(model, vocab, store, cfg, archive=recent, model_version=model_version)
     lock = threading.RLock()
     sources = EngineSources(engine, bank, recent, lock)
-    ranker = Ranker(engine.model, sources, popularity, cfg.server.replay_query_events)
+    ranker = Ranker(
+        engine.model,
+        sources,
+        popularity,
+        cfg.server.replay_query_events,
+        cuda_graphs=cfg.server.cuda_graphs,
+        max_batch=cfg.server.max_batch,
+    )
+    ranker.warm_up()
     return RankStack(engine, bank, recent, sources, ranker, vocab, model_version, lock)
 
 

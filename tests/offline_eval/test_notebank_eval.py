@@ -142,10 +142,10 @@ def test_run_eval_end_to_end(tmp_path: Path) -> None:
 def test_final_pass_diagnostics(env: RankEnv) -> None:
     """ "query_only" re-reads the latest event on the copy without notes; "notes_only" runs
     the notes without the re-read; both differ from the service path only where notes came."""
+    import copy
+
     from models.recommender import padded_batch
     from offline_eval.notebank_eval import FINAL_PASSES
-
-    import copy
 
     cfg = copy.deepcopy(env.cfg)
     cfg.server.replay_query_events = 1  # the diagnostics split the one re-read event
