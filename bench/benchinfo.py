@@ -10,7 +10,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
-    """HEAD of the checkout, else $GIT_COMMIT (a copy without .git, e.g. on a lent GPU)."""
+    """$GIT_COMMIT when set (a copy of the tree on a lent GPU, whose .git may be stale),
+    else HEAD of the checkout."""
+    if os.environ.get("GIT_COMMIT", "unknown") != "unknown":
+        return os.environ["GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
