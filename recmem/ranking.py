@@ -146,6 +146,12 @@ class RankSources(Protocol):
         """Top ``n_notes`` notes for masked queries q~ [Q, L, H, K], in time order."""
         ...
 
+    def route_many(
+        self, requests: Sequence[tuple[str, torch.Tensor, int]]
+    ) -> list[list[UserEvents]]:
+        """``route`` for several (user, q~, n_notes) requests at once, answers in order."""
+        ...
+
     def versions(self, user_ids: Sequence[str]) -> list[int] | None:
         """Per user, a counter that moves whenever the user's recent events (and their q~)
         or notes change; None when not tracked (then nothing is read ahead)."""
@@ -391,8 +397,13 @@ class Ranker:
             assert res.kq is not None
             for j, i in enumerate(todo):
                 q_tilde[i] = res.kq[1][j, : int(lengths[j])]
-        for i in q_tilde:
-            notes[i] = self.sources.route(queries[i].user_id, q_tilde[i], queries[i].replay_notes)
+        order = list(q_tilde)
+        if order:
+            routed_now = self.sources.route_many(
+                [(queries[i].user_id, q_tilde[i], queries[i].replay_notes) for i in order]
+            )
+            for i, got_notes in zip(order, routed_now, strict=True):
+                notes[i] = got_notes
         return notes
 
     def _cold(self, q: RankQuery) -> tuple[np.ndarray, np.ndarray]:

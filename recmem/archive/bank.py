@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources
+from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources, masked_cosines
 from recmem.archive.persist import pack_users, unpack_users
 from recmem.archive.selection import (
     address_coords,
@@ -251,16 +251,29 @@ class NoteBank:
     def route(self, user_id: str, q: Any, r: int | None = None) -> list[Note]:
         """Top-``r`` notes for queries q~ [n, C_ch, K] (or [n, L, H, K], or one position
         [C_ch, K]); see ``route_addresses``."""
-        arr = _numpy(q, np.float32)
-        # [n, L, H, K] always merges (L, H); a 3-d [L, H, K] only when it cannot be [n, C_ch, K]
-        merge_lh = arr.ndim == 4 or (arr.ndim == 3 and arr.shape[-2] != self.n_channels)
-        if merge_lh and arr.shape[-3] * arr.shape[-2] == self.n_channels:
-            arr = arr.reshape(*arr.shape[:-3], self.n_channels, arr.shape[-1])
-        if arr.ndim not in (2, 3) or arr.shape[-2] != self.n_channels:
-            raise ValueError(
-                f"queries must be [n, {self.n_channels}, K] or [n, L, H, K], got {list(arr.shape)}"
-            )
-        return self.route_addresses(user_id, self.address(arr), r)
+        return self.route_many([(user_id, q, r)])[0]
+
+    def route_many(self, requests: Sequence[tuple[str, Any, int | None]]) -> list[list[Note]]:
+        """``route`` for several (user, q~, r) requests at once (a rank micro-batch): the
+        vote runs on all of them together; each user's search still reads only that
+        user's index."""
+        addrs = []
+        for _, q, _ in requests:
+            arr = _numpy(q, np.float32)
+            # [n, L, H, K] always merges (L, H); a 3-d [L, H, K] only when it cannot be
+            # [n, C_ch, K]
+            merge_lh = arr.ndim == 4 or (arr.ndim == 3 and arr.shape[-2] != self.n_channels)
+            if merge_lh and arr.shape[-3] * arr.shape[-2] == self.n_channels:
+                arr = arr.reshape(*arr.shape[:-3], self.n_channels, arr.shape[-1])
+            if arr.ndim not in (2, 3) or arr.shape[-2] != self.n_channels:
+                raise ValueError(
+                    f"queries must be [n, {self.n_channels}, K] or [n, L, H, K], "
+                    f"got {list(arr.shape)}"
+                )
+            addrs.append(self.address(arr))
+        return self._route_addresses_many(
+            [u for u, _, _ in requests], addrs, [r for _, _, r in requests]
+        )
 
     def route_batch(
         self,
@@ -289,10 +302,9 @@ class NoteBank:
             u = u.reshape(*u.shape[:2], -1, u.shape[-1])
         if u.ndim != 4 or u.shape[0] != len(user_ids):
             raise ValueError(f"queries must be [B, T, L, H, K] or [B, T, C_ch, K], got {q.shape}")
-        return [
-            self.route_addresses(uid, u[b, : lens[b]], rs[b]) if lens[b] > 0 else []
-            for b, uid in enumerate(user_ids)
-        ]
+        return self._route_addresses_many(
+            list(user_ids), [u[b, : lens[b]] for b in range(len(user_ids))], rs
+        )
 
     def route_addresses(self, user_id: str, u: Any, r: int | None = None) -> list[Note]:
         """Each channel votes for the user's note whose address is the most cosine-similar
@@ -304,37 +316,82 @@ class NoteBank:
         up with unvoted notes by the same summed cosine, unless ``archive.min_votes`` > 0:
         then only notes with at least that many votes are returned (possibly none). A user
         without notes gets []."""
-        r = self.cfg.replay_notes if r is None else r
-        if r < 0:
-            raise ValueError(f"r must be >= 0, got {r}")
-        u_a = _numpy(u, np.float32)
-        if u_a.ndim == 2:
-            u_a = u_a[None]
-        if u_a.ndim != 3 or u_a.shape[1:] != (self.n_channels, len(self.coords)):
-            raise ValueError(
-                f"query addresses must be [n, {self.n_channels}, {len(self.coords)}], "
-                f"got {list(u_a.shape)}"
-            )
-        if not np.all(np.isfinite(u_a)):
+        return self._route_addresses_many([user_id], [u], [r])[0]
+
+    def _route_addresses_many(
+        self, user_ids: Sequence[str], addrs: Sequence[Any], rs: Sequence[int | None]
+    ) -> list[list[Note]]:
+        """``route_addresses`` for many users: the cosines, votes and ranking of every
+        request in one padded [users, positions, channels, notes] computation; only the
+        FAISS search is per user (on that user's index)."""
+        ch, d = self.n_channels, len(self.coords)
+        U = len(user_ids)
+        out: list[list[Note]] = [[] for _ in range(U)]
+        if U == 0:
+            return out
+        rs_ = [self.cfg.replay_notes if r is None else r for r in rs]
+        if any(r < 0 for r in rs_):
+            raise ValueError(f"r must be >= 0, got {min(rs_)}")
+        us = []
+        for u in addrs:
+            u_a = _numpy(u, np.float32)
+            if u_a.ndim == 2:
+                u_a = u_a[None]
+            if u_a.ndim != 3 or u_a.shape[1:] != (ch, d):
+                raise ValueError(f"query addresses must be [n, {ch}, {d}], got {list(u_a.shape)}")
+            us.append(u_a)
+        n_max = max(len(u) for u in us)
+        unit = np.zeros((U, max(n_max, 1), ch, d), dtype=np.float32)
+        for i, u_a in enumerate(us):
+            unit[i, : len(u_a)] = u_a
+        if not np.all(np.isfinite(unit)):
             raise ValueError("query addresses have non-finite values")
-        unit = l2_normalise(u_a)
-        live = np.linalg.norm(unit, axis=-1) > 0  # [n, C_ch]
+        unit = l2_normalise(unit)
+        live = np.linalg.norm(unit, axis=-1) > 0  # [U, n, C_ch]
+        todo = [i for i in range(U) if rs_[i] > 0 and live[i].any()]
+        raw: list[np.ndarray] = []
+        opened: list[np.ndarray] = []
+        notes: list[list[Note]] = []
         with self._lock:
-            ua = self._users.get(user_id)
-            if r == 0 or ua is None or not ua.notes or not live.any():
-                return []
-            sims = self._indexes[user_id].similarities(unit)  # [n, C_ch, notes]
-            notes = list(ua.notes)
-        sims = np.where(live[..., None], sims, -np.inf)
-        best = sims.max(axis=0)  # [C_ch, notes]: max over query positions
-        voters = np.isfinite(best[:, 0])
-        votes = np.bincount(best[voters].argmax(axis=1), minlength=len(notes))
-        strength = best[voters].sum(axis=0)
-        recency = np.arange(len(notes))
-        ranked = np.lexsort((-recency, -strength, -votes))[:r]  # last key sorts first
-        if self.cfg.min_votes > 0:
-            ranked = ranked[votes[ranked] >= self.cfg.min_votes]
-        return [replace(notes[i], votes=int(votes[i])) for i in np.sort(ranked)]
+            for i in list(todo):
+                ua = self._users.get(user_ids[i])
+                if ua is None or not ua.notes:
+                    todo.remove(i)
+                    continue
+                index = self._indexes[user_ids[i]]
+                raw.append(index.inner_products(unit[i]))  # [n, C_ch, notes]
+                opened.append(index.open_dims)
+                notes.append(list(ua.notes))
+        if not todo:
+            return out
+        W = len(todo)
+        N = max(len(x) for x in notes)
+        n = unit.shape[1]
+        sims = np.full((W, n, ch, N), -np.inf, dtype=np.float32)
+        open_ = np.zeros((W, N, ch), dtype=np.int64)
+        for j in range(W):
+            sims[j, ..., : raw[j].shape[-1]] = raw[j]
+            open_[j, : len(opened[j])] = opened[j]
+        u_live = unit[todo]
+        cos = masked_cosines(sims, u_live, open_)  # [W, n, C_ch, N]
+        has_note = np.arange(N)[None, :] < np.array([len(x) for x in notes])[:, None]
+        cos = np.where(live[todo][..., None] & has_note[:, None, None, :], cos, -np.inf)
+        best = cos.max(axis=1)  # [W, C_ch, N]: max over query positions
+        voters = live[todo].any(axis=1)  # [W, C_ch]
+        winner = best.argmax(axis=-1)  # [W, C_ch]
+        votes = ((winner[..., None] == np.arange(N)) & voters[..., None]).sum(axis=1)
+        strength = np.where(voters[..., None], best, 0.0).sum(axis=1)  # [W, N]
+        votes = np.where(has_note, votes, -1)  # padding ranks last
+        strength = np.where(has_note, strength, -np.inf)
+        recency = np.broadcast_to(np.arange(N), (W, N))
+        order = np.lexsort((-recency, -strength, -votes), axis=-1)  # last key sorts first
+        for j, i in enumerate(todo):
+            ranked = order[j, : rs_[i]]
+            ranked = ranked[has_note[j, ranked]]
+            if self.cfg.min_votes > 0:
+                ranked = ranked[votes[j, ranked] >= self.cfg.min_votes]
+            out[i] = [replace(notes[j][k], votes=int(votes[j, k])) for k in np.sort(ranked)]
+        return out
 
     # ---- inspection -------------------------------------------------------------------
 

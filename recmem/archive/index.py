@@ -55,12 +55,14 @@ def open_dims(addresses: np.ndarray) -> np.ndarray:
 
 
 def masked_cosines(raw: np.ndarray, u: np.ndarray, open_: np.ndarray) -> np.ndarray:
-    """raw [n, C_ch, notes] = u . rho for unit queries u [n, C_ch, d_rho] -> the cosine on
-    each note's open prefix, u . rho / |u[:open]| (0 where that prefix of u is zero)."""
-    n, ch, d = u.shape
-    cum = np.zeros((n, ch, d + 1), dtype=np.float32)
+    """raw [..., n, C_ch, notes] = u . rho for unit queries u [..., n, C_ch, d_rho] -> the
+    cosine on each note's open prefix, u . rho / |u[:open]| (0 where that prefix of u is
+    zero); open_ [..., notes, C_ch] (leading axes: several users at once)."""
+    d = u.shape[-1]
+    cum = np.zeros((*u.shape[:-1], d + 1), dtype=np.float32)
     cum[..., 1:] = np.sqrt(np.cumsum(u.astype(np.float32) ** 2, axis=-1))
-    norm = cum[:, np.arange(ch)[:, None], open_.T]  # [n, C_ch, notes]: cum[., c, open[i, c]]
+    idx = np.broadcast_to(np.swapaxes(open_, -1, -2)[..., None, :, :], raw.shape)
+    norm = np.take_along_axis(cum, idx, axis=-1)  # cum[., c, open[i, c]]
     return np.where(norm > 1e-6, raw / np.maximum(norm, 1e-6), 0.0).astype(np.float32)
 
 
@@ -108,15 +110,23 @@ class UserAddressIndex:
         self._open = np.zeros((0, self.n_channels), dtype=np.int64)
         self.add(addresses)
 
+    @property
+    def open_dims(self) -> np.ndarray:
+        """[notes, C_ch] leading coordinates of each note's address that can be nonzero."""
+        return self._open
+
     def similarities(self, u: np.ndarray) -> np.ndarray:
         """Cosine of u[tau, c] and rho_c of note i on the note's open prefix (module
         docstring) for unit queries u [n, C_ch, d_rho]: [n, C_ch, notes], exact."""
+        return masked_cosines(self.inner_products(u), u, self._open)
+
+    def inner_products(self, u: np.ndarray) -> np.ndarray:
+        """u[tau, c] . rho_c of every note for queries u [n, C_ch, d_rho]: [n, C_ch, notes]."""
         n, ch, notes = u.shape[0], self.n_channels, self.size
         if notes == 0 or n == 0:
             return np.zeros((n, ch, notes), dtype=np.float32)
         queries = np.ascontiguousarray(u.reshape(n * ch, self.address_dim), dtype=np.float32)
-        raw = self._inner_products(queries, n)
-        return masked_cosines(raw, u, self._open)
+        return self._inner_products(queries, n)
 
     def _inner_products(self, queries: np.ndarray, n: int) -> np.ndarray:
         """u . rho for query rows tau * C_ch + c: [n, C_ch, notes]."""

@@ -206,10 +206,15 @@ class EngineSources:
         return self.recent.versions(user_ids) if self.recent is not None else None
 
     def route(self, user_id: str, queries: torch.Tensor, n_notes: int) -> list[UserEvents]:
+        return self.route_many([(user_id, queries, n_notes)])[0]
+
+    def route_many(
+        self, requests: Sequence[tuple[str, torch.Tensor, int]]
+    ) -> list[list[UserEvents]]:
         if self.bank is None:
-            return []
-        notes = self.bank.route(user_id, queries, n_notes)
-        return [UserEvents(n.items, n.actions, n.ts_ms) for n in notes]
+            return [[] for _ in requests]
+        routed = self.bank.route_many(list(requests))
+        return [[UserEvents(n.items, n.actions, n.ts_ms) for n in notes] for notes in routed]
 
     def inspect(self, user_id: str) -> UserInfo | None:
         """InspectUser's answer: position, Proteus blocks, notes, residence tier."""

@@ -376,3 +376,35 @@ def test_route_batch_matches_single_routes():
     assert [len(x) for x in numpy_got][2] == 0
     with pytest.raises(ValueError, match="batch size"):
         bank.route_batch(["a"], torch.from_numpy(q), lengths)
+
+
+def test_route_many_equals_routing_each_request_alone():
+    """One batched vote over users with different note counts and query lengths, an unknown
+    user, r = 0 and all-zero queries: each answer is the single-request route's and the
+    oracle's."""
+    bank = NoteBank(small_cfg(), K, CH, seed=3)
+    lengths = {"a": 96, "b": 20, "c": 48, "d": 33}
+    for i, (user, n) in enumerate(lengths.items()):
+        s = make_stream(n, seed=30 + i, planted=tuple(range(3, n, 11)))
+        s.q[: n // 2, :, K // 2 :] = 0.0
+        bank.observe(user, *s.part(0, n))
+    rng = np.random.default_rng(1)
+    requests = []
+    for trial in range(12):
+        user = ["a", "b", "c", "d", "nobody"][trial % 5]
+        q = rng.normal(size=(1 + trial % 4, L, H, K)).astype(np.float32)
+        if trial == 7:
+            q[:] = 0.0
+        requests.append((user, q, [2, 0, 3, 1, 5][trial % 5] if trial != 9 else 0))
+    got = bank.route_many(requests)
+    for (user, q, r), routed in zip(requests, got, strict=True):
+        alone = bank.route(user, q, r)
+        assert [(n.serial, n.votes) for n in routed] == [(n.serial, n.votes) for n in alone]
+        notes = bank.notes(user)
+        if notes and r > 0 and q.any():
+            u = bank.address(q.reshape(len(q), CH, K))
+            assert [n.serial for n in routed] == [
+                notes[i].serial for i in _oracle_route(notes, u, r)
+            ]
+        else:
+            assert routed == []
