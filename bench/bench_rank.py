@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_rank.py [--users N] [--events N] [--items N] [--seconds S]
         [--device auto|cpu|cuda] [--threads N] [--concurrency 1,8,32] [--replay 0,2,4]
         [--shapes cand100,catalog] [--systems memory,sasrec] [--budget-s S]
-        [--set section.field=value ...] [--out DIR | --json PATH]
+        [--replay-cache N] [--set section.field=value ...] [--out DIR | --json PATH]
 
 A server process builds the real stack (engine + state store + NoteBank + micro-batcher +
 gRPC) on the default memory configuration with a freshly initialised model (latency does
@@ -13,7 +13,10 @@ baseline that re-encodes each request's user's last 200 events (one forward per 
 ``SASRec.encode_history``) behind the same batcher and servicer. The client process runs
 closed-loop load at each concurrency for each request shape: 100 candidates (k=10) and
 whole-catalog top-10, replay off and on (R = 2, 4). SASRec has no notes, so each memory
-cell is compared with SASRec on the same request shape and concurrency. The flags above
+cell is compared with SASRec on the same request shape and concurrency. The replay cache
+(``server.replay_cache_users``) is off unless ``--replay-cache N``: no events arrive while
+the cells run, so with it every replay request after a user's first is answered from the
+cache and the cells would not measure replay. The flags above
 pick a subset of cells; ``--budget-s`` shortens the cells so that the whole run, start-up
 and ingest included, fits in S seconds (the full plan on the H200: ``--budget-s 200``).
 
@@ -55,6 +58,8 @@ SERVER_FIELDS = (
     "max_batch",
     "threads",
     "replay_query_events",
+    "replay_cache_users",
+    "cuda_graphs",
 )
 K = 10
 N_CANDIDATES = 100
@@ -161,6 +166,9 @@ def build_memory_stack(args: argparse.Namespace) -> dict[str, Any]:
     cfg.server.port = 0
     cfg.state.device_capacity = args.users  # the default slab (65536 users) is ~17 GB
     cfg.state.spill_dir = args.spill_dir
+    # every request replays unless asked: the cache would answer all but the first request
+    # per user here (no events arrive while the cells run)
+    cfg.server.replay_cache_users = getattr(args, "replay_cache", 0)
     for item in args.set:
         key, _, value = item.partition("=")
         set_value(cfg, key.strip(), value.strip(), "--set")
@@ -399,6 +407,13 @@ def main() -> None:
         default=[],
         metavar="SECTION.FIELD=VALUE",
         help="config override in the server (e.g. server.batch_window_ms=4); repeatable",
+    )
+    ap.add_argument(
+        "--replay-cache",
+        type=int,
+        default=0,
+        help="server.replay_cache_users in the server (default 0: every replay request "
+        "replays; with a cache every request after a user's first is a hit here)",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     ap.add_argument("--json", default="", help="write the result to this file (overrides --out)")

@@ -321,6 +321,11 @@ class ServerConfig:
     memory step is many small per-event operations, and the OpenMP workers of a thread
     other than the main one do not flush denormal floats (decaying states make those ~100x
     slower); see docs/ingest.md and bench/results/ingest_cpu.json."""
+    replay_cache_users: int = 100_000
+    """Keep this many user vectors after replay, per (user, R), and answer a replay request
+    without context from the kept one while the user's latest events, notes and position
+    are unchanged (the answer is the one a fresh replay gives; 0 = always replay). An LRU
+    of about 0.4 KB per entry at the default model size."""
     cuda_graphs: bool = True
     """On a CUDA device, run the rank path's replay pass through CUDA graphs captured at
     start for every padded shape up to ``max_batch`` requests and 64 events

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -89,6 +90,16 @@ class Prefetched:
     """The user's latest events (the routing query, re-read after the replay)."""
     notes: tuple[UserEvents, ...] | None
     """The notes routed on their stored q~; None when no q~ was stored (computed later)."""
+
+
+@dataclass(frozen=True)
+class _Replayed:
+    """A user vector after replay, valid while the user's counter and position stay."""
+
+    version: int
+    position: int
+    vec: torch.Tensor
+    notes: int
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,7 @@ class Ranker:
         query_events: int = 1,
         cuda_graphs: bool = False,
         max_batch: int = 64,
+        replay_cache: int = 0,
     ) -> None:
         if popularity is not None and len(popularity) != model.n_items:
             raise ValueError(
@@ -221,6 +233,13 @@ class Ranker:
         one step may finish in a later one, where the results are copied back), and in
         ``prepare`` (summed over the calling threads)."""
         self._prepare_lock = threading.Lock()
+        if replay_cache < 0:
+            raise ValueError("replay_cache must be >= 0")
+        self.replay_cache = replay_cache
+        """How many (user, R) user vectors after replay are kept (0 = none)."""
+        self._replayed: OrderedDict[tuple[str, int], _Replayed] = OrderedDict()
+        self.cache_counts = {"hits": 0, "stored": 0}
+        """Replay requests answered from the cache, and vectors stored into it."""
 
     @property
     def n_items(self) -> int:
@@ -283,11 +302,19 @@ class Ranker:
         self.batches += 1
         clock = time.perf_counter()
         users = [q.user_id for q in queries]
+        cacheable = [
+            i
+            for i, q in enumerate(queries)
+            if self.replay_cache and q.replay_notes and not len(q.context)
+        ]
+        # read before the snapshot: equal after it means no engine step came in between
+        before = self.sources.versions(users) if cacheable else None
         base = self._move(self.sources.snapshot(users))
         # after the snapshot: an engine step between a read-ahead and here moved the counter
         versions = self.sources.versions(users) if any(q.prefetched for q in queries) else None
         live_pos = base.pos.tolist()
         cold = [p == 0 and len(q.context) == 0 for p, q in zip(live_pos, queries)]
+        hits = self._cached(queries, cacheable, before, live_pos)
         clock = self._lap("snapshot", clock)
 
         # Query events: the context, else (replay only) the user's latest events.
@@ -296,7 +323,7 @@ class Ranker:
         routed: list[tuple[UserEvents, ...] | None] = [None] * len(queries)
         for i, (q, p) in enumerate(zip(queries, live_pos)):
             pf = q.prefetched
-            if len(q.context) or not q.replay_notes or p == 0:
+            if len(q.context) or not q.replay_notes or p == 0 or i in hits:
                 query_ev.append(q.context)
                 stored_q.append(None)
             elif pf is not None and versions is not None and versions[i] == pf.version:
@@ -327,6 +354,12 @@ class Ranker:
             vec = self._replay(items, actions, ts, lengths, base.index(rows))
             user_vec = base.h.index_copy(0, rows, vec)
 
+        if hits:
+            rows = torch.as_tensor(list(hits), device=self.device)
+            vecs = torch.stack([h.vec for h in hits.values()])
+            user_vec = user_vec.index_copy(0, rows, vecs.to(user_vec.dtype))
+        if before is not None:
+            self._store(queries, cacheable, before, live_pos, query_ev, notes, user_vec, hits)
         results: list[RankResult] = []
         clock = self._lap("replay", clock)
         top = self._score(queries, user_vec, cold)
@@ -339,11 +372,60 @@ class Ranker:
                     scores=sc,
                     position=int(live_pos[i]),
                     cold_start=cold[i],
-                    notes_replayed=len(notes[i]),
+                    notes_replayed=hits[i].notes if i in hits else len(notes[i]),
                     context_applied=len(q.context),
                 )
             )
         return results
+
+    def _cached(
+        self,
+        queries: Sequence[RankQuery],
+        cacheable: Sequence[int],
+        before: Sequence[int] | None,
+        live_pos: Sequence[int],
+    ) -> dict[int, _Replayed]:
+        """Rows answered by a stored vector: same (user, R), counter and position."""
+        hits: dict[int, _Replayed] = {}
+        if before is None:
+            return hits
+        for i in cacheable:
+            key = (queries[i].user_id, queries[i].replay_notes)
+            got = self._replayed.get(key)
+            if got is not None and got.version == before[i] and got.position == live_pos[i] > 0:
+                self._replayed.move_to_end(key)
+                hits[i] = got
+        self.cache_counts["hits"] += len(hits)
+        return hits
+
+    def _store(
+        self,
+        queries: Sequence[RankQuery],
+        cacheable: Sequence[int],
+        before: Sequence[int],
+        live_pos: Sequence[int],
+        query_ev: Sequence[UserEvents],
+        notes: Sequence[Sequence[UserEvents]],
+        user_vec: torch.Tensor,
+        hits: dict[int, _Replayed],
+    ) -> None:
+        """Keep the replayed vectors of this batch when no engine step touched their users
+        since ``before`` was read (then the snapshot was of that version)."""
+        todo = [i for i in cacheable if i not in hits and live_pos[i] > 0 and len(query_ev[i])]
+        if not todo:
+            return
+        after = self.sources.versions([queries[i].user_id for i in todo])
+        if after is None:
+            return
+        for i, v in zip(todo, after, strict=True):
+            if v != before[i]:
+                continue
+            key = (queries[i].user_id, queries[i].replay_notes)
+            self._replayed[key] = _Replayed(v, live_pos[i], user_vec[i].clone(), len(notes[i]))
+            self._replayed.move_to_end(key)
+            self.cache_counts["stored"] += 1
+        while len(self._replayed) > self.replay_cache:
+            self._replayed.popitem(last=False)
 
     def _lap(self, step: str, since: float) -> float:
         now = time.perf_counter()

@@ -119,6 +119,7 @@ def build_rank_stack(
         cfg.server.replay_query_events,
         cuda_graphs=cfg.server.cuda_graphs,
         max_batch=cfg.server.max_batch,
+        replay_cache=cfg.server.replay_cache_users,
     )
     ranker.warm_up()
     return RankStack(engine, bank, recent, sources, ranker, vocab, model_version, lock)
