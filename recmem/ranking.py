@@ -126,6 +126,8 @@ class RankResult:
     cold_start: bool
     notes_replayed: int
     context_applied: int
+    from_cache: bool = False
+    """The user vector came from the replay cache (``Ranker(replay_cache=...)``)."""
 
 
 class BatchRanker(Protocol):
@@ -374,6 +376,7 @@ class Ranker:
                     cold_start=cold[i],
                     notes_replayed=hits[i].notes if i in hits else len(notes[i]),
                     context_applied=len(q.context),
+                    from_cache=i in hits,
                 )
             )
         return results

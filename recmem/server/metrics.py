@@ -31,3 +31,8 @@ class RankMetrics:
         self.cold_starts = Counter(
             f"{prefix}_cold_starts", "Rank calls answered from popularity", registry=r
         )
+        self.replay_cache_hits = Counter(
+            f"{prefix}_replay_cache_hits",
+            "Replay rank calls answered from the replay cache (server.replay_cache_users)",
+            registry=r,
+        )

@@ -106,6 +106,8 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             self._metrics.notes_replayed.inc(res.notes_replayed)
             if res.cold_start:
                 self._metrics.cold_starts.inc()
+            if res.from_cache:
+                self._metrics.replay_cache_hits.inc()
         ids = self._vocab.item_ids
         return rank_pb2.RankResponse(
             items=[

@@ -103,6 +103,19 @@ def test_replay_on_reports_notes_and_changes_scores(stub) -> None:
     assert [it.score for it in on.items] != [it.score for it in off.items]
 
 
+def test_a_repeated_replay_is_answered_from_the_cache(stub, server: RankServer) -> None:
+    req = rank_pb2.RankRequest(
+        user_id="user4", k=10, replay=rank_pb2.ReplayOptions(enabled=True, notes=3)
+    )
+    hits = server.metrics.replay_cache_hits._value.get()
+    first = stub.Rank(req, timeout=TIMEOUT)
+    second = stub.Rank(req, timeout=TIMEOUT)
+    assert server.metrics.replay_cache_hits._value.get() == hits + 1
+    assert [it.item_id for it in first.items] == [it.item_id for it in second.items]
+    assert [it.score for it in first.items] == pytest.approx([it.score for it in second.items])
+    assert first.notes_replayed == second.notes_replayed > 0
+
+
 def test_unknown_user_gets_popularity_then_context_only(stub, env: RankEnv) -> None:
     res = stub.Rank(rank_pb2.RankRequest(user_id="nobody", k=5), timeout=TIMEOUT)
     assert res.cold_start and res.position == 0
