@@ -255,7 +255,12 @@ class Ranker:
             return 0
         began = time.perf_counter()
         like = self.model.init_state(1, self.device)
-        n = self.graphs.capture_all(like)
+        try:
+            n = self.graphs.capture_all(like)
+        except Exception:  # noqa: BLE001 - a driver or op that cannot be captured: run eagerly
+            log.exception("capturing the replay pass in CUDA graphs failed; replays run eagerly")
+            self.graphs = None
+            return 0
         log.info("replay graphs: %d shapes captured in %.1f s", n, time.perf_counter() - began)
         return n
 
