@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,8 @@ class DemoResult:
     positions: dict[str, int]
     produced: int
     metrics: dict[str, Any]
+    notes_replayed: dict[str, int] = field(default_factory=dict)
+    """Per user, the notes the replay request replayed."""
 
 
 def _same_training_config(out: Path, cfg: Config) -> bool:
@@ -182,6 +184,7 @@ def run_demo(
             stub = rank_pb2_grpc.RecMemStub(channel)
             positions = _wait_applied(stub, rank_pb2, expected, ingest_timeout_s)
             rankings: dict[str, dict[str, list[tuple[str, float]]]] = {}
+            notes: dict[str, int] = {}
             for user in users:
                 candidates = [i for i in catalog if i not in seen[user]]
                 rankings[user] = {}
@@ -198,7 +201,9 @@ def run_demo(
                     rankings[user][label] = [
                         (titles.get(s.item_id, s.item_id), s.score) for s in reply.items
                     ]
-        return DemoResult(users, rankings, positions, produced, metrics)
+                    if replay:
+                        notes[user] = reply.notes_replayed
+        return DemoResult(users, rankings, positions, produced, metrics, notes)
     except BaseException:
         if (work / "serve.log").exists():
             tail = (work / "serve.log").read_text(errors="replace")[-3000:]
@@ -221,6 +226,13 @@ def format_demo(result: DemoResult, data_name: str) -> str:
     for user in result.users:
         lines.append(f"\nuser {user} (memory position {result.positions[user]}):")
         for label, items in result.rankings[user].items():
+            n = result.notes_replayed.get(user)
+            if label != "no replay" and n is not None:
+                label += (
+                    f", {n} notes replayed"
+                    if n
+                    else (", no notes yet (a note needs a full archive chunk): as without replay")
+                )
             lines.append(f"  top {len(items)}, {label}:")
             lines.extend(
                 f"    {i + 1:2d}. {title}  ({score:.3f})" for i, (title, score) in enumerate(items)

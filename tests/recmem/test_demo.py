@@ -61,8 +61,10 @@ def test_demo_streams_ranks_and_cleans_up(tmp_path):
     heavy = result.users[0]
     replayed = f"replay R={cfg.archive.replay_notes}"  # the configured R by default
     assert result.rankings[heavy]["no replay"] != result.rankings[heavy][replayed]
+    assert result.notes_replayed[heavy] > 0
     text = format_demo(result, "ml-100k")
     assert "ndcg@10" in text and heavy in text
+    assert f"{replayed}, {result.notes_replayed[heavy]} notes replayed:" in text
     leftover = child_pids() - children_before
     assert not leftover, f"demo left processes running: {leftover}"
     # a second run reuses the trained model instead of training again
