@@ -248,11 +248,12 @@ class NotebankScorer:
         read_only = self.final_pass in READ_ONLY_PASSES
         rows: list[UserEvents] = []
         keep: list[int] = []
-        for j, uid in enumerate(uids):
-            q = hook.recent_queries(uid, self.query_events)
-            if q is None:
-                continue
-            notes = bank.route(uid, torch.from_numpy(q), self.R)
+        asked = [
+            (j, uid, hook.recent_queries(uid, self.query_events)) for j, uid in enumerate(uids)
+        ]
+        asked = [(j, uid, q) for j, uid, q in asked if q is not None]
+        routed = bank.route_many([(uid, q, self.R) for _, uid, q in asked])
+        for (j, uid, _), notes in zip(asked, routed, strict=True):
             if not notes:
                 continue
             parts = [UserEvents(n.items, n.actions, n.ts_ms) for n in notes]
@@ -270,10 +271,13 @@ class NotebankScorer:
         idx = torch.as_tensor(slots[keep], device=device)
         copy = state.index(idx)  # advanced indexing: new tensors, the live state stays
         live_pos = copy.pos
+        vec = copy.h
         if any(len(r) for r in rows):
             items, actions, ts, lengths = _pad_events(rows, device)
-            copy = self.model.advance(items, actions, ts, lengths, copy).state
-        vec = copy.h
+            if read_only:  # the read needs the state after the notes
+                copy = self.model.advance(items, actions, ts, lengths, copy).state
+            else:  # the rank path's read-out-only pass
+                vec = self.model.replay_read(items, actions, ts, lengths, copy)
         if read_only:
             it, ac, t, prev = (torch.as_tensor(a[keep], device=device) for a in latest)
             prev_ts = None if self.final_pass == "read_only_state_gap" else prev
