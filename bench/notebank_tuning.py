@@ -9,7 +9,8 @@ path) once per setting on the chosen part's targets (VALID to choose, TEST to re
 chosen one). A setting is a JSON object of archive fields (``chunk_events``, ``window``,
 ``spans_per_chunk``, ``max_span``, ``address_dim``, ``notes_per_user``, ``replay_notes``,
 ``min_votes``, ...) on top of the model's config, plus optionally ``query_events``
-(server.replay_query_events) and ``final_pass`` ("service" = the rank path; "read_only" =
+(server.replay_query_events), ``blend`` (weight of the replayed read-out against the stored
+one, 1 = the rank path) and ``final_pass`` ("service" = the rank path; "read_only" =
 the notes then a read-only read of the latest event; diagnostics "query_only",
 "notes_only", "read_only_query", "read_only_state_gap", "read_only_own_pos"; see
 offline_eval.notebank_eval.FINAL_PASSES). ``--grid`` is expanded to every combination; ``--settings``
@@ -192,8 +193,9 @@ def main() -> None:
         if "query_events" in fields:
             c.server.replay_query_events = int(fields.pop("query_events"))
         final_pass = str(fields.pop("final_pass", "service"))
+        blend = float(fields.pop("blend", 1.0))
         c.archive = dataclasses.replace(c.archive, **fields)
-        scorer = NotebankScorer(model, c, vocab, final_pass=final_pass)  # type: ignore[arg-type]
+        scorer = NotebankScorer(model, c, vocab, final_pass=final_pass, blend=blend)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         res = evaluate(scorer, split, args.part, cfg.eval, **kw)  # type: ignore[arg-type]
         entry = {

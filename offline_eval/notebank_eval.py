@@ -95,8 +95,13 @@ class NotebankScorer:
         replay_notes: int | None = None,
         batch_users: int = 256,
         final_pass: str = "service",
+        blend: float = 1.0,
     ) -> None:
         self.model = model
+        if not 0.0 <= blend <= 1.0:
+            raise ValueError(f"blend must be in [0, 1], got {blend}")
+        self.blend = blend
+        """Weight of the replayed read-out; the rest goes to the stored (no replay) one."""
         self.cfg = cfg
         self.R = cfg.archive.replay_notes if replay_notes is None else replay_notes
         if self.R < 0:
@@ -127,6 +132,7 @@ class NotebankScorer:
             "replay_notes": self.R,
             "replay_query_events": self.query_events,
             "final_pass": self.final_pass,
+            "blend": self.blend,
             "archive": dataclasses.asdict(self.cfg.archive),
             "stats": self.stats,
         }
@@ -283,4 +289,6 @@ class NotebankScorer:
             prev_ts = None if self.final_pass == "read_only_state_gap" else prev
             own = live_pos if self.final_pass == "read_only_own_pos" else None
             vec = self.model.read_only(it, ac, t, copy, prev_ts=prev_ts, positions=own)
+        if self.blend < 1.0:
+            vec = self.blend * vec + (1.0 - self.blend) * state.h[idx]
         result[torch.as_tensor(targets[keep], device=device)] = vec.to(result.dtype)
