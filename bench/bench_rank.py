@@ -3,7 +3,8 @@
     .venv/bin/python bench/bench_rank.py [--users N] [--events N] [--items N] [--seconds S]
         [--device auto|cpu|cuda] [--threads N] [--concurrency 1,8,32] [--replay 0,2,4]
         [--shapes cand100,catalog] [--systems memory,sasrec] [--budget-s S]
-        [--replay-cache N] [--set section.field=value ...] [--out DIR | --json PATH]
+        [--replay-cache N] [--ingest-rate EV_PER_S] [--set section.field=value ...]
+        [--out DIR | --json PATH]
 
 A server process builds the real stack (engine + state store + NoteBank + micro-batcher +
 gRPC) on the default memory configuration with a freshly initialised model (latency does
@@ -16,7 +17,11 @@ whole-catalog top-10, replay off and on (R = 2, 4). SASRec has no notes, so each
 cell is compared with SASRec on the same request shape and concurrency. The replay cache
 (``server.replay_cache_users``) is off unless ``--replay-cache N``: no events arrive while
 the cells run, so with it every replay request after a user's first is answered from the
-cache and the cells would not measure replay. The flags above
+cache and the cells would not measure replay. ``--ingest-rate R`` applies R events/s
+(random users, through ``Engine.apply`` under the stack's lock, as ``recmem serve``) while
+the cells run: rank latency under ingest, and with the cache the share of replay requests
+it answers (each cell records ``replay_cache_hit_share`` and ``events_ingested``). The
+flags above
 pick a subset of cells; ``--budget-s`` shortens the cells so that the whole run, start-up
 and ingest included, fits in S seconds (the full plan on the H200: ``--budget-s 200``).
 
@@ -202,6 +207,52 @@ def build_memory_stack(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class IngestFeed:
+    """Events arriving while the cells run: a thread applies ``rate`` events/s (batches every
+    20 ms, users uniform, Zipf items, each user's clock moving on) through
+    ``Engine.apply`` under the stack's lock, as ``recmem serve``'s ingest does."""
+
+    def __init__(self, stack: Any, vocab: Any, hist: dict[str, Any], n_items: int,
+                 rate: float) -> None:  # fmt: skip
+        self.stack, self.vocab, self.rate = stack, vocab, rate
+        self.users = list(hist)
+        self.clock = {u: int(h[2][-1]) for u, h in hist.items()}
+        self.offset = {u: len(h[0]) for u, h in hist.items()}
+        p = 1.0 / np.arange(1, n_items + 1) ** 0.8
+        self.p = p / p.sum()
+        self.applied = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-ingest", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from streams.validate import ValidEvent
+
+        rng = np.random.default_rng(7)
+        tick = 0.02
+        owed = 0.0
+        while not self._stop.wait(tick):
+            owed += self.rate * tick
+            n = int(owed)
+            owed -= n
+            if n == 0:
+                continue
+            batch = []
+            for u in rng.choice(self.users, n):
+                self.clock[u] += int(rng.integers(60_000, 600_000))
+                self.offset[u] += 1
+                item = self.vocab.item_ids[int(rng.choice(len(self.p), p=self.p))]
+                batch.append(ValidEvent(u, item, self.clock[u], int(rng.integers(0, 6)), 1.0,
+                                        None, 0, self.offset[u]))  # fmt: skip
+            with self.stack.lock:
+                self.stack.engine.apply(batch)
+            self.applied += n
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 def serve(args: argparse.Namespace, conn: Any) -> None:
     """Child process: build, ingest, serve both services, answer control messages."""
     import torch
@@ -237,6 +288,9 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
         }
     )  # fmt: skip
     servers = {"memory": memory_server, "sasrec": sas_server}
+    feed = (
+        IngestFeed(stack, vocab, hist, args.items, args.ingest_rate) if args.ingest_rate else None
+    )
     while True:
         msg = conn.recv()
         if msg == "stop":
@@ -250,8 +304,12 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
                 "busy_s": b.busy_seconds,
                 "collect_s": b.collect_seconds,
                 "steps": steps,
+                "cache": dict(stack.ranker.cache_counts),
+                "ingested": feed.applied if feed is not None else 0,
             }
         )
+    if feed is not None:
+        feed.stop()
     for s in servers.values():
         s.stop(grace=1.0)
     stack.engine.store.close()
@@ -415,6 +473,13 @@ def main() -> None:
         help="server.replay_cache_users in the server (default 0: every replay request "
         "replays; with a cache every request after a user's first is a hit here)",
     )
+    ap.add_argument(
+        "--ingest-rate",
+        type=float,
+        default=0.0,
+        help="events/s applied to the memory service's engine while the cells run (0 = none; "
+        "with --replay-cache this decides the cache's hit share)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     ap.add_argument("--json", default="", help="write the result to this file (overrides --out)")
     args = ap.parse_args()
@@ -465,6 +530,13 @@ def main() -> None:
                     k: 1000.0 * (v - before["steps"][k]) / max(n_b, 1)
                     for k, v in after["steps"].items()
                 }
+                if system == "memory":
+                    hits = after["cache"]["hits"] - before["cache"]["hits"]
+                    cell["replay_cache_hits"] = hits
+                    cell["replay_cache_hit_share"] = (
+                        hits / max(1, cell["requests"]) if replay else 0.0
+                    )
+                    cell["events_ingested"] = after["ingested"] - before["ingested"]
                 cell["load_avg_1m"] = os.getloadavg()[0]
                 cell.update(system=system, concurrency=c, shape=shape, replay_notes=replay)
                 cells.append(cell)
@@ -531,6 +603,7 @@ def main() -> None:
             "candidates": N_CANDIDATES,
             "overrides": args.set,
             "ingest": info["ingest"],
+            "ingest_rate_during_cells": args.ingest_rate,
             "model": "freshly initialised (latency does not depend on training)",
             **info["config"],
         },
