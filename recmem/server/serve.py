@@ -37,8 +37,14 @@ log = logging.getLogger(__name__)
 
 
 class LockedSink:
-    """The ingest service as the consumer's BatchSink, each call under the stack's lock;
-    ``on_ready`` runs once, after the first assignment's checkpoints are restored."""
+    """The ingest service as the consumer's BatchSink: every call that changes the engine
+    (batches, rebalances) runs under the stack's lock, which the rank path holds while it
+    copies states. ``checkpoint`` does not take it: the consumer thread is the only one that
+    changes the engine, and it is busy writing the checkpoint, while a checkpoint only reads
+    the engine (``UserStateStore.read`` moves no user between tiers) and the rank path only
+    reads it too; so rank calls go on while a checkpoint is copied and written to disk
+    (a full checkpoint of a large partition takes seconds). ``on_ready`` runs once, after
+    the first assignment's checkpoints are restored."""
 
     def __init__(
         self,
@@ -74,8 +80,7 @@ class LockedSink:
         return self.inner.checkpoint_due()
 
     def checkpoint(self) -> dict[int, int]:
-        with self.lock:
-            return self.inner.checkpoint()
+        return self.inner.checkpoint()  # no lock: see the class docstring
 
 
 def load_serving_model(

@@ -536,3 +536,39 @@ def test_not_serving_until_ready(env: RankEnv) -> None:
             assert status() == health_pb2.HealthCheckResponse.SERVING
     finally:
         srv.stop(grace=1.0)
+
+
+def test_checkpoint_runs_while_a_rank_call_holds_the_lock(tmp_path: Path) -> None:
+    """Batches and rebalances wait for the stack's lock (rank calls copy states under it);
+    a checkpoint only reads the engine, so it is written while a rank call holds it."""
+    import threading
+
+    from recmem.checkpoint import CheckpointStore
+    from recmem.ingest import IngestService
+    from recmem.server.serve import LockedSink
+    from recmem.state_store import StateLayout
+    from streams.validate import ValidEvent
+
+    env = make_env(tmp_path / "spill", n_users=2)
+    layout = StateLayout.from_config(env.cfg.memory, env.cfg.model)
+    service = IngestService(env.stack.engine, CheckpointStore(tmp_path / "ckpt", layout), 30.0)
+    sink = LockedSink(service, env.stack.lock)
+    sink.on_assigned([0])
+    events = [ValidEvent("u-a", "item3", 10**9 + i, 1, 1.0, None, 0, i) for i in range(5)]
+    sink.apply_batch(events, {0: 5})
+
+    more = [ValidEvent("u-a", "item4", 2 * 10**9, 1, 1.0, None, 0, 5)]
+    with env.stack.lock:  # a rank call copying states
+        written: list[dict[int, int]] = []
+        ckpt = threading.Thread(target=lambda: written.append(sink.checkpoint()))
+        ckpt.start()
+        ckpt.join(timeout=30)
+        assert not ckpt.is_alive() and written == [{0: 5}]
+        batch = threading.Thread(target=sink.apply_batch, args=(more, {0: 6}))
+        batch.start()
+        batch.join(timeout=0.3)
+        assert batch.is_alive()  # the batch waits for the lock
+    batch.join(timeout=30)
+    assert not batch.is_alive()
+    assert env.stack.engine.snapshot(["u-a"]).pos.tolist() == [6]
+    assert any((tmp_path / "ckpt").rglob("meta.json"))
