@@ -18,7 +18,7 @@ cell is compared with SASRec on the same request shape and concurrency. The repl
 (``server.replay_cache_users``) is off unless ``--replay-cache N``: no events arrive while
 the cells run, so with it every replay request after a user's first is answered from the
 cache and the cells would not measure replay. ``--ingest-rate R`` applies R events/s
-(random users, through ``Engine.apply`` under the stack's lock, as ``recmem serve``) while
+(random users, through ``Engine.apply``, as ``recmem serve``'s ingest) while
 the cells run: rank latency under ingest, and with the cache the share of replay requests
 it answers (each cell records ``replay_cache_hit_share`` and ``events_ingested``). The
 flags above
@@ -210,7 +210,7 @@ def build_memory_stack(args: argparse.Namespace) -> dict[str, Any]:
 class IngestFeed:
     """Events arriving while the cells run: a thread applies ``rate`` events/s (batches every
     20 ms, users uniform, Zipf items, each user's clock moving on) through
-    ``Engine.apply`` under the stack's lock, as ``recmem serve``'s ingest does."""
+    ``Engine.apply``, which takes the stack's lock for its changes, as under ``recmem serve``."""
 
     def __init__(self, stack: Any, vocab: Any, hist: dict[str, Any], n_items: int,
                  rate: float) -> None:  # fmt: skip
@@ -244,8 +244,7 @@ class IngestFeed:
                 item = self.vocab.item_ids[int(rng.choice(len(self.p), p=self.p))]
                 batch.append(ValidEvent(u, item, self.clock[u], int(rng.integers(0, 6)), 1.0,
                                         None, 0, self.offset[u]))  # fmt: skip
-            with self.stack.lock:
-                self.stack.engine.apply(batch)
+            self.stack.engine.apply(batch)  # locks its changes (Engine.lock), as under serve
             self.applied += n
 
     def stop(self) -> None:

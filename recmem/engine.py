@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -145,6 +146,12 @@ class Engine:
         self.archive = archive
         self.model_version = model_version
         self.config_hash = config_hash(cfg)
+        self.lock: AbstractContextManager[Any] = nullcontext()
+        """Held while ``apply`` changes the store or the archive (the gather that may move
+        users between tiers; the scatter with the archive's observe; the bookkeeping), not
+        while the model computes: readers holding it (the rank path's snapshots) see a
+        complete step and never wait for the model. Only one thread may call ``apply``
+        (and the partition methods); ``recmem serve`` sets it to the rank stack's lock."""
         self.partition_of: dict[str, int] = {}
         self._users_of: dict[int, set[str]] = {}
         self._dirty: dict[int, set[str]] = {}
@@ -174,9 +181,10 @@ class Engine:
         counts.new_users = sum(1 for u in batch.user_ids if u not in self.store)
         for rows in self._steps(batch.lengths):
             self._advance(batch, rows)
-        for user, part in zip(batch.user_ids, batch.partitions):
-            self._record(user, part)
-            self._dirty.setdefault(part, set()).add(user)
+        with self.lock:
+            for user, part in zip(batch.user_ids, batch.partitions):
+                self._record(user, part)
+                self._dirty.setdefault(part, set()).add(user)
         return counts
 
     def _steps(self, lengths: np.ndarray) -> list[np.ndarray]:
@@ -205,7 +213,8 @@ class Engine:
         T = int(lengths.max())
         dev = self.device
         items, actions, ts = (a[rows, :T] for a in (batch.items, batch.actions, batch.ts_ms))
-        state, slots = self.store.gather(users)
+        with self.lock:  # may move users between tiers
+            state, slots = self.store.gather(users)
         positions = state.pos.cpu().numpy()
         t1 = time.perf_counter()
         result = self.model.advance(
@@ -217,10 +226,11 @@ class Engine:
             return_kq=self.archive is not None,
         )
         t2 = time.perf_counter()
-        self.store.scatter(slots, result.state)
-        t3 = time.perf_counter()
-        if self.archive is not None and result.kq is not None:
-            self.archive.observe(users, items, actions, ts, lengths, result.kq, positions)
+        with self.lock:  # the new states, tails and notes become visible together
+            self.store.scatter(slots, result.state)
+            t3 = time.perf_counter()
+            if self.archive is not None and result.kq is not None:
+                self.archive.observe(users, items, actions, ts, lengths, result.kq, positions)
         t4 = time.perf_counter()
         self.seconds["gather"] += t1 - t0
         self.seconds["advance"] += t2 - t1

@@ -37,14 +37,16 @@ log = logging.getLogger(__name__)
 
 
 class LockedSink:
-    """The ingest service as the consumer's BatchSink: every call that changes the engine
-    (batches, rebalances) runs under the stack's lock, which the rank path holds while it
-    copies states. ``checkpoint`` does not take it: the consumer thread is the only one that
-    changes the engine, and it is busy writing the checkpoint, while a checkpoint only reads
-    the engine (``UserStateStore.read`` moves no user between tiers) and the rank path only
-    reads it too; so rank calls go on while a checkpoint is copied and written to disk
-    (a full checkpoint of a large partition takes seconds). ``on_ready`` runs once, after
-    the first assignment's checkpoints are restored."""
+    """The ingest service as the consumer's BatchSink. Rebalances run under the stack's
+    lock, which the rank path holds while it copies states. A batch does not take it as a
+    whole: ``Engine.apply`` holds the same lock (``Engine.lock``) only while it changes the
+    store and the archive, so rank calls never wait for the model's step. ``checkpoint``
+    does not take it: the consumer thread is the only one that changes the engine, and it is
+    busy writing the checkpoint, while a checkpoint only reads the engine
+    (``UserStateStore.read`` moves no user between tiers) and the rank path only reads it
+    too; so rank calls go on while a checkpoint is copied and written to disk (a full
+    checkpoint of a large partition takes seconds). ``on_ready`` runs once, after the first
+    assignment's checkpoints are restored."""
 
     def __init__(
         self,
@@ -73,8 +75,7 @@ class LockedSink:
             self.inner.on_lost(partitions)
 
     def apply_batch(self, events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
-        with self.lock:
-            self.inner.apply_batch(events, next_offsets)
+        self.inner.apply_batch(events, next_offsets)  # Engine.apply locks its changes
 
     def checkpoint_due(self) -> bool:
         return self.inner.checkpoint_due()

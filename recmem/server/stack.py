@@ -111,6 +111,7 @@ def build_rank_stack(
     recent = RecentEventsHook(NoteBankHook(bank, vocab), max(1, cfg.server.replay_query_events))
     engine = Engine(model, vocab, store, cfg, archive=recent, model_version=model_version)
     lock = threading.RLock()
+    engine.lock = lock  # apply holds it only while it changes the store and the archive
     sources = EngineSources(engine, bank, recent, lock)
     ranker = Ranker(
         engine.model,

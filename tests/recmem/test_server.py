@@ -572,3 +572,53 @@ def test_checkpoint_runs_while_a_rank_call_holds_the_lock(tmp_path: Path) -> Non
     assert not batch.is_alive()
     assert env.stack.engine.snapshot(["u-a"]).pos.tolist() == [6]
     assert any((tmp_path / "ckpt").rglob("meta.json"))
+
+
+def test_rank_copies_do_not_wait_for_the_model_step(tmp_path: Path) -> None:
+    """Through serve's sink, a batch holds the stack's lock only while the engine changes
+    the store and the archive: a state copy taken while the model computes the step returns
+    at once with the state before it, one taken after sees the whole step (state and tail)."""
+    import threading
+
+    from recmem.checkpoint import CheckpointStore
+    from recmem.ingest import IngestService
+    from recmem.server.serve import LockedSink
+    from recmem.state_store import StateLayout
+    from streams.validate import ValidEvent
+
+    env = make_env(tmp_path / "spill", n_users=2)
+    engine, sources = env.stack.engine, env.stack.sources
+    layout = StateLayout.from_config(env.cfg.memory, env.cfg.model)
+    sink = LockedSink(
+        IngestService(engine, CheckpointStore(tmp_path / "ckpt", layout), 30.0), env.stack.lock
+    )
+    sink.on_assigned([0])
+    sink.apply_batch([ValidEvent("u-a", "item3", 10**9 + i, 1, 1.0, None, 0, i) for i in range(4)],
+                     {0: 4})  # fmt: skip
+    inner = engine.model.advance
+    started, release = threading.Event(), threading.Event()
+
+    def paused_advance(*args, **kwargs):  # the real step, held until released
+        started.set()
+        assert release.wait(30)
+        return inner(*args, **kwargs)
+
+    engine.model.advance = paused_advance  # type: ignore[method-assign]
+    step = threading.Thread(
+        target=sink.apply_batch,
+        args=([ValidEvent("u-a", "item5", 2 * 10**9, 1, 1.0, None, 0, 4)], {0: 5}),
+    )
+    step.start()
+    safety = threading.Timer(8.0, release.set)  # never deadlock, even if the copy waits
+    safety.start()
+    try:
+        assert started.wait(30)
+        t0 = time.monotonic()
+        during = sources.snapshot(["u-a"]).pos.tolist()
+        assert time.monotonic() - t0 < 4 and during == [4]
+    finally:
+        release.set()
+        safety.cancel()
+        step.join(30)
+    assert sources.snapshot(["u-a"]).pos.tolist() == [5]
+    assert int(sources.recent_events("u-a", 1).ts_ms[0]) == 2 * 10**9
