@@ -134,16 +134,22 @@ class MemoryLayer(nn.Module):
         M0: torch.Tensor | None,
         pos0: torch.Tensor,
         lengths: torch.Tensor,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """``forward``'s output [B, T, D] without the state after the events (no autograd;
-        ``memory_readout``): what a replay on a copy of the state needs."""
+        ``memory_readout``): what a replay on a copy of the state needs. ``last_only``:
+        only each user's output at its last event, [B, 1, D]."""
         q, k, v, theta, eta, alpha = self.project(x)
         mem = self.mem
         y = memory_readout(
             q, k, v, theta, eta, alpha, S0, M0, pos0, lengths,
             n_blocks=mem.n_blocks, horizon=mem.horizon, qk_l2norm=mem.qk_l2norm,
-            backend=mem.backend, chunk_size=mem.chunk_size,
+            backend=mem.backend, chunk_size=mem.chunk_size, last_only=last_only,
         )  # fmt: skip
+        if last_only:
+            B = x.shape[0]
+            last = torch.clamp(lengths - 1, min=0)
+            x = x[torch.arange(B, device=x.device), last][:, None]
         return self._mix(x, y.to(x.dtype))
 
     def _mix(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -294,13 +300,15 @@ class MemoryRecommender(nn.Module):
         if T == 0:
             return state.h.clone()
         x, _ = self._event_inputs(items, actions, ts_ms, lengths, state)
+        top = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
             assert isinstance(layer, MemoryLayer)
             M0 = None if state.M is None else state.M[:, li]
-            x = layer.forward_readout(x, state.S[:, li], M0, state.pos, lengths)
-        last = torch.clamp(lengths - 1, min=0)
-        rows = torch.arange(B, device=items.device)
-        h = self.readout(x[rows, last])
+            # the last layer is only read at each user's last event
+            x = layer.forward_readout(
+                x, state.S[:, li], M0, state.pos, lengths, last_only=li == top
+            )
+        h = self.readout(x[:, 0])
         return torch.where((lengths > 0)[:, None], h, state.h)
 
     def read_only(

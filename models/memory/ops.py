@@ -146,17 +146,25 @@ def memory_readout(
     *args: Any,
     backend: str = "auto",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    last_only: bool = False,
     **kwargs: Any,
 ) -> torch.Tensor:
     """y of ``memory_scan`` without the state after the events (no autograd): the rank
     path's replay on a throw-away copy. ``auto`` runs ``readout.memory_readout_chunk`` when
     the run is at most READOUT_MAX_EVENTS long and, on the CPU, wide enough (above); any
-    other case, or an explicit backend, runs ``memory_scan`` and drops its state."""
+    other case, or an explicit backend, runs ``memory_scan`` and drops its state. With
+    ``last_only`` only each user's output at its last event, [B, 1, H, V] (zeros for a user
+    without events)."""
     q = args[0] if args else kwargs["q"]
     B, T = q.shape[:2]
     if backend == "auto" and T <= READOUT_MAX_EVENTS:
         wide = T >= CPU_READOUT_MIN_EVENTS or B >= CPU_READOUT_MIN_USERS
         if q.device.type == "cuda" or wide:
-            return memory_readout_chunk(*args, **kwargs)
+            return memory_readout_chunk(*args, last_only=last_only, **kwargs)
     with torch.no_grad():
-        return memory_scan(*args, backend=backend, chunk_size=chunk_size, **kwargs)[0]
+        y = memory_scan(*args, backend=backend, chunk_size=chunk_size, **kwargs)[0]
+    if not last_only:
+        return y
+    lengths = args[9] if len(args) > 9 else kwargs["lengths"]
+    last = (lengths - 1).clamp(min=0)
+    return y[torch.arange(B, device=y.device), last][:, None]  # padding rows of y are 0

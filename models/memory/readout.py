@@ -72,13 +72,17 @@ def memory_readout_chunk(
     n_blocks: int,
     horizon: int,
     qk_l2norm: bool = True,
+    last_only: bool = False,
 ) -> torch.Tensor:
     """y [B, T, H, V] of ``memory_scan_reference`` (zeros at padding) in one chunk; the
-    inputs are not changed and no host synchronisation happens (CUDA-graph safe)."""
+    inputs are not changed and no host synchronisation happens (CUDA-graph safe). With
+    ``last_only`` only each user's output at its last event, [B, 1, H, V] (zeros for a user
+    without events): the reads of the state by q~ and the q~ . k~ products then take one row
+    instead of T (the last layer of a replay needs nothing else)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if T == 0 or B == 0:
-        return v.new_zeros(v.shape)
+        return v.new_zeros(B, 1, H, V) if last_only else v.new_zeros(v.shape)
     if T > READOUT_MAX_EVENTS:
         raise ValueError(f"memory_readout_chunk takes at most {READOUT_MAX_EVENTS} events")
     dev, dt = q.device, q.dtype
@@ -119,21 +123,33 @@ def memory_readout_chunk(
         onehot = opens.clamp(max=T)[:, None, :] == torch.arange(T + 1, device=dev)[:, None]
         per_row = torch.bmm(coef.view(B, H * parts * T, T + 1), onehot.to(dt))
         per_row = per_row.view(BH, parts, T, K)
+        # the read rows: every event, or (last_only) each user's last one
+        if last_only:
+            last = (lengths - 1).clamp(min=0).repeat_interleave(H)  # [BH]
+            pick = torch.arange(BH, device=dev)
+            q_rows = q_bh[pick, last][:, None]  # [BH, 1, K]
+            y_coef = per_row[pick, :, last][:, :, None]  # [BH, parts, 1, K]
+            G_rows = G[pick, last][:, None]  # [BH, 1, T]
+        else:
+            q_rows, y_coef, G_rows = q_bh, per_row, G
         S0_bh = S0.reshape(BH, K, V)
         init_w = torch.bmm(k_bh * per_row[:, 1], S0_bh)  # A[i-1, o_r - 1] k_i S0
-        init_y = torch.bmm(q_bh * per_row[:, 0], S0_bh)  # A[i, o_r - 1] q_i S0
+        init_y = torch.bmm(q_rows * y_coef[:, 0], S0_bh)  # A[i, o_r - 1] q_i S0
         if momentum and M0 is not None:
             M0_bh = M0.reshape(BH, K, V)
             init_w.baddbmm_(k_bh * per_row[:, 3], M0_bh)
-            init_y.baddbmm_(q_bh * per_row[:, 2], M0_bh)
+            init_y.baddbmm_(q_rows * y_coef[:, 2], M0_bh)
         kk = k_bh @ k_bh.transpose(1, 2)  # [BH, T(i), T(s)]
-        qk = q_bh @ k_bh.transpose(1, 2)
+        qk = q_rows @ k_bh.transpose(1, 2)
         L = kk.mul_(th[:, None, :])
         L[:, 1:] *= G[:, :-1]  # G[i-1, s] th_s (k_i . k_s)
         L[:, 0] = 0.0
         eye = torch.eye(T, dtype=dt, device=dev)
         rhs = init_w.sub_(bh(v))
         W = torch.linalg.solve_triangular(L + eye, rhs, upper=False, unitriangular=True)
-        Y = init_y.baddbmm_(G * qk * th[:, None, :], W, alpha=-1.0)  # [BH, T, V]
+        Y = init_y.baddbmm_(G_rows * qk * th[:, None, :], W, alpha=-1.0)  # [BH, T or 1, V]
+        if last_only:
+            has = (lengths > 0)[:, None, None, None].to(dt)
+            return Y.view(B, H, 1, V).transpose(1, 2) * has
         y = Y.view(B, H, T, V).transpose(1, 2)
         return y * real[..., None].to(dt)

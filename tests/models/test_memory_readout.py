@@ -102,3 +102,27 @@ def test_replay_read_equals_advance(momentum, backend):
     for a, b in [(before.S, start.S), (before.M, start.M), (before.h, start.h),
                  (before.pos, start.pos)]:  # fmt: skip
         assert a is None or torch.equal(a, b)
+
+
+def last_rows(y, lengths):
+    """Each user's output at its last event, [B, 1, H, V] (zeros for a user without any)."""
+    last = (lengths - 1).clamp(min=0)
+    out = y[torch.arange(len(lengths)), last][:, None]
+    return out * (lengths > 0)[:, None, None, None].to(y.dtype)
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_last_only_is_the_output_at_each_users_last_event(momentum, backend):
+    """Across unlocks, users without events and with one; through the one-chunk form
+    (auto, wide) and through the scan (an explicit backend)."""
+    inp = make_inputs(7, 13, 2, 10, 5, momentum=momentum, seed=11)
+    inp["pos0"] = torch.tensor([0, 3, 7, 11, 2, 40, 5])
+    inp["lengths"] = torch.tensor([13, 0, 1, 5, 12, 13, 2])
+    kw = dict(n_blocks=3, horizon=12)
+    y_ref, _, _ = memory_scan_reference(**inp, **kw)
+    want = last_rows(y_ref, inp["lengths"])
+    got = memory_readout(**inp, **kw, backend=backend, last_only=True)
+    assert got.shape == (7, 1, 2, 5)
+    torch.testing.assert_close(got, want, **TIGHT)
+    torch.testing.assert_close(memory_readout_chunk(**inp, **kw, last_only=True), want, **TIGHT)
