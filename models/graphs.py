@@ -68,7 +68,8 @@ class _Captured:
                 run()
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: CUDA calls of other threads (an ingest step) stay legal meanwhile
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.out = run()
 
     def _run(self) -> torch.Tensor:
