@@ -329,8 +329,9 @@ class ServerConfig:
     cuda_graphs: bool = True
     """On a CUDA device, run the rank path's replay pass through CUDA graphs captured at
     start for every padded shape up to ``max_batch`` requests and 64 events
-    (models/graphs.py); larger replays run eagerly. A replay on a GPU is launch-bound: see
-    docs/serving.md (Latency) for the measured effect. No effect on the CPU."""
+    (models/graphs.py); larger replays run eagerly. A replay on a GPU is launch-bound: on
+    the H200 the pass takes 0.5-1.0 ms in graphs against 3-7 ms eagerly (docs/serving.md,
+    "The replay pass computes no state"). No effect on the CPU."""
     freeze_gc: bool = True
     """When the service turns SERVING: one full garbage collection, then ``gc.freeze()``, so
     Python's cyclic collector never walks the long-lived heap (notes, tails, vocabulary)
@@ -340,7 +341,8 @@ class ServerConfig:
     (``Ranker.prepare``; used only while the user's tail and notes are unchanged) instead
     of in the batch. Off: under closed-loop load the requests of a batch arrive together
     and routing them while the gRPC threads parse the arrivals cost twice as much (CPU
-    bench at c=8: p50 1-3 ms worse)."""
+    bench at c=8: p50 1-3 ms worse; on a 16-core GPU host p50 2-4 ms worse, because the
+    batcher then routes while it collects: bench/results/read_ahead_gpu/)."""
 
 
 @dataclass
