@@ -3,7 +3,8 @@
     .venv/bin/python bench/bench_rank.py [--users N] [--events N] [--items N] [--seconds S]
         [--device auto|cpu|cuda] [--threads N] [--concurrency 1,8,32] [--replay 0,2,4]
         [--shapes cand100,catalog] [--systems memory,sasrec] [--budget-s S]
-        [--replay-cache N] [--ingest-rate EV_PER_S] [--set section.field=value ...]
+        [--replay-cache N] [--ingest-rate EV_PER_S] [--client-procs N]
+        [--set section.field=value ...]
         [--out DIR | --json PATH]
 
 A server process builds the real stack (engine + state store + NoteBank + micro-batcher +
@@ -317,10 +318,13 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
 # ---- client ------------------------------------------------------------------------------
 
 
-def run_cell(
-    port: int, concurrency: int, shape: str, replay: int, seconds: float, users: int,
-    n_items: int, seed: int,
-) -> dict[str, Any]:  # fmt: skip
+def _client_load(
+    port: int, workers: list[int], shape: str, replay: int, start_at: float, seconds: float,
+    users: int, n_items: int, seed: int,
+) -> tuple[list[float], list[int]]:  # fmt: skip
+    """Closed-loop load from one process: a thread per worker id on one channel, from
+    wall-clock ``start_at`` for ``seconds``; returns latencies (s) and the notes replayed by
+    worker 0's first 64 calls."""
     import grpc
 
     from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
@@ -336,46 +340,79 @@ def run_cell(
             replay=rank_pb2.ReplayOptions(enabled=replay > 0, notes=replay),
         )
 
-    latencies: list[list[float]] = [[] for _ in range(concurrency)]
+    latencies: list[list[float]] = [[] for _ in workers]
     notes: list[int] = []
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = rank_pb2_grpc.RecMemStub(ch)
-        rng0 = np.random.default_rng(seed)
+        rng0 = np.random.default_rng(seed + workers[0])
         for _ in range(3):  # warm up the channel and the path
             stub.Rank(request(rng0), timeout=60)
-        start_gate = threading.Barrier(concurrency + 1)
-        stop_at = [0.0]
+        stop_at = start_at + seconds
 
-        def worker(i: int) -> None:
+        def worker(slot: int, i: int) -> None:
             rng = np.random.default_rng(seed * 1000 + i)
             reqs = [request(rng) for _ in range(64)]
-            start_gate.wait()
+            time.sleep(max(0.0, start_at - time.time()))
             j = 0
-            while time.perf_counter() < stop_at[0]:
+            while time.time() < stop_at:
                 t = time.perf_counter()
                 res = stub.Rank(reqs[j % len(reqs)], timeout=60)
-                latencies[i].append(time.perf_counter() - t)
+                latencies[slot].append(time.perf_counter() - t)
                 if i == 0 and j < 64:
                     notes.append(res.notes_replayed)
                 j += 1
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+        threads = [
+            threading.Thread(target=worker, args=(slot, i)) for slot, i in enumerate(workers)
+        ]
         for t in threads:
             t.start()
-        stop_at[0] = time.perf_counter() + seconds
-        begin = time.perf_counter()
-        start_gate.wait()
         for t in threads:
             t.join()
-        elapsed = time.perf_counter() - begin
-    lat = np.array([x for xs in latencies for x in xs]) * 1000.0
+    return [x for xs in latencies for x in xs], notes
+
+
+def _client_process(args: tuple[Any, ...], out: Any) -> None:
+    out.put(_client_load(*args))
+
+
+def run_cell(
+    port: int, concurrency: int, shape: str, replay: int, seconds: float, users: int,
+    n_items: int, seed: int, procs: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    """One cell: ``concurrency`` closed-loop workers as threads of this process, or spread
+    over ``procs`` client processes (independent clients: no shared GIL between them)."""
+    procs = max(1, min(procs, concurrency))
+    groups = [list(range(concurrency))[p::procs] for p in range(procs)]
+    lead = 1.0 if procs == 1 else 4.0  # time to start the processes and warm up
+    start_at = time.time() + lead
+    if procs == 1:
+        lat_s, notes = _client_load(port, groups[0], shape, replay, start_at, seconds, users,
+                                    n_items, seed)  # fmt: skip
+    else:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        ps = [
+            ctx.Process(target=_client_process, daemon=True, args=(
+                (port, g, shape, replay, start_at, seconds, users, n_items, seed), out))
+            for g in groups
+        ]  # fmt: skip
+        for p in ps:
+            p.start()
+        results = [out.get(timeout=seconds + 120) for _ in ps]
+        for p in ps:
+            p.join(30)
+        lat_s = [x for r in results for x in r[0]]
+        notes = [x for r in results for x in r[1]]
+    lat = np.array(lat_s) * 1000.0
     return {
         "requests": int(len(lat)),
         "p50_ms": float(np.percentile(lat, 50)),
         "p99_ms": float(np.percentile(lat, 99)),
         "mean_ms": float(lat.mean()),
-        "throughput_rps": float(len(lat) / elapsed),
+        "throughput_rps": float(len(lat) / seconds),
         "mean_notes_replayed": float(np.mean(notes)) if notes else 0.0,
+        "client_processes": procs,
     }
 
 
@@ -473,6 +510,13 @@ def main() -> None:
         "replays; with a cache every request after a user's first is a hit here)",
     )
     ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="spread each cell's clients over this many processes (default 1: threads of "
+        "one process share its GIL; on a many-core host N > 1 measures independent clients)",
+    )
+    ap.add_argument(
         "--ingest-rate",
         type=float,
         default=0.0,
@@ -515,7 +559,8 @@ def main() -> None:
                 port = info[f"{system}_port"]
                 parent.send(system)
                 before = parent.recv()
-                cell = run_cell(port, c, shape, replay, seconds, args.users, args.items, seed=c)
+                cell = run_cell(port, c, shape, replay, seconds, args.users, args.items, seed=c,
+                                procs=args.client_procs)  # fmt: skip
                 parent.send(system)
                 after = parent.recv()
                 n_b = after["batches"] - before["batches"]
