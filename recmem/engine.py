@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 
 class ArchiveHook(Protocol):
     """The seam for the NoteBank archive (recmem/archive). ``observe`` is called once per
-    engine step; the notes travel in the partition's checkpoint (export/import) and leave
-    with it (drop).
+    engine step, under ``Engine.lock`` together with the state write; ``settle`` right
+    after it, outside the lock (work that readers need not see together with the new
+    states, such as writing notes). The notes travel in the partition's checkpoint
+    (export/import) and leave with it (drop).
 
     ``user_ids`` [B]; ``items``/``actions``/``ts_ms`` [B, T] and ``lengths`` [B] as given to
     ``advance`` (host numpy, vocab-encoded items, right-padded); ``kq`` = (k~, q~), each
@@ -54,6 +56,10 @@ class ArchiveHook(Protocol):
         kq: tuple[torch.Tensor, torch.Tensor],
         positions: np.ndarray,
     ) -> None: ...
+
+    def settle(self) -> None:
+        """Finish the last ``observe`` outside the engine's lock (may do nothing)."""
+        ...
 
     def export_notes(self, user_ids: list[str]) -> dict[str, np.ndarray]:
         """The notes of these users as arrays, for their partition's checkpoint."""
@@ -149,7 +155,7 @@ class Engine:
         self.lock: AbstractContextManager[Any] = nullcontext()
         """Held while ``apply`` changes the store or the archive (the gather that may move
         users between tiers; the scatter with the archive's observe; the bookkeeping), not
-        while the model computes: readers holding it (the rank path's snapshots) see a
+        while the model computes nor while the archive settles (``ArchiveHook.settle``): readers holding it (the rank path's snapshots) see a
         complete step and never wait for the model. Only one thread may call ``apply``
         (and the partition methods); ``recmem serve`` sets it to the rank stack's lock."""
         self.partition_of: dict[str, int] = {}
@@ -226,11 +232,13 @@ class Engine:
             return_kq=self.archive is not None,
         )
         t2 = time.perf_counter()
-        with self.lock:  # the new states, tails and notes become visible together
+        with self.lock:  # the new states and the archive's view of them appear together
             self.store.scatter(slots, result.state)
             t3 = time.perf_counter()
             if self.archive is not None and result.kq is not None:
                 self.archive.observe(users, items, actions, ts, lengths, result.kq, positions)
+        if self.archive is not None and result.kq is not None:
+            self.archive.settle()
         t4 = time.perf_counter()
         self.seconds["gather"] += t1 - t0
         self.seconds["advance"] += t2 - t1

@@ -29,13 +29,23 @@ _PREFIX = "recent."
 
 
 class RecentEventsHook:
-    """ArchiveHook that records every user's last ``keep`` events, then delegates."""
+    """ArchiveHook that records every user's last ``keep`` events, then delegates.
 
-    def __init__(self, inner: ArchiveHook | None, keep: int) -> None:
+    With ``defer_inner`` the inner hook's ``observe`` (the NoteBank writing notes: a quarter
+    of a CPU engine step) runs in ``settle``, which the engine calls outside its lock: a
+    rank call's copy then waits only for the state write and the tails, and may route on
+    notes one step old for that moment. The user's counter moves after the tails change and
+    again after the notes do, so read-aheads and cached replays are never kept across
+    either."""
+
+    def __init__(self, inner: ArchiveHook | None, keep: int, defer_inner: bool = False) -> None:
         if keep < 1:
             raise ValueError("RecentEventsHook keeps at least one event")
         self.inner = inner
         self.keep = keep
+        self.defer_inner = defer_inner
+        self._pending: list[tuple[Any, ...]] = []
+        """Deferred inner ``observe`` calls (``defer_inner``), run by ``settle``."""
         self._tails: dict[str, UserEvents] = {}
         self._queries: dict[str, np.ndarray] = {}
         """user -> q~ [n, L, H, K] of the tail events (float32, host)."""
@@ -75,11 +85,31 @@ class RecentEventsHook:
                     both.items[-k:].copy(), both.actions[-k:].copy(), both.ts_ms[-k:].copy()
                 )
                 self._queries[user] = q[-k:].copy()
+        touched = [user_ids[b] for b in rows]
+        if self.defer_inner and self.inner is not None:
+            self._touch(touched)  # the tails changed
+            self._pending.append((user_ids, items, actions, ts_ms, lengths, kq, positions))
+            return
         try:
             if self.inner is not None:
                 self.inner.observe(user_ids, items, actions, ts_ms, lengths, kq, positions)
         finally:
-            self._touch([user_ids[b] for b in rows])
+            self._touch(touched)
+
+    def settle(self) -> None:
+        """Run the deferred inner ``observe`` calls (``defer_inner``), then move the
+        counters of their users again."""
+        while self._pending:
+            args = self._pending.pop(0)
+            try:
+                if self.inner is not None:
+                    self.inner.observe(*args)
+                    self.inner.settle()
+            finally:
+                lengths = args[4]
+                self._touch([u for u, n in zip(args[0], lengths) if n > 0])
+        if not self.defer_inner and self.inner is not None:
+            self.inner.settle()
 
     def _touch(self, user_ids: Sequence[str]) -> None:
         """Move the users' counters, after their tails and notes changed."""

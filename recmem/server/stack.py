@@ -56,6 +56,9 @@ class NoteBankHook:
             user_ids, items, item_ids, actions, ts_ms, event_pos, lengths, kq[0], kq[1]
         )
 
+    def settle(self) -> None:
+        """Nothing: ``observe`` writes the notes (``RecentEventsHook`` decides when)."""
+
     def export_notes(self, user_ids: list[str]) -> dict[str, np.ndarray]:
         return self.bank.state_for_users(user_ids)
 
@@ -108,7 +111,9 @@ def build_rank_stack(
         cfg.archive, mem.key_dim, mem.n_layers * mem.n_heads, seed=cfg.train.seed,
         use_gpu=use_gpu_index,
     )  # fmt: skip
-    recent = RecentEventsHook(NoteBankHook(bank, vocab), max(1, cfg.server.replay_query_events))
+    recent = RecentEventsHook(
+        NoteBankHook(bank, vocab), max(1, cfg.server.replay_query_events), defer_inner=True
+    )
     engine = Engine(model, vocab, store, cfg, archive=recent, model_version=model_version)
     lock = threading.RLock()
     engine.lock = lock  # apply holds it only while it changes the store and the archive

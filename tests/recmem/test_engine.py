@@ -163,14 +163,21 @@ class RecordingArchive:
     def observe(self, user_ids, items, actions, ts_ms, lengths, kq, positions):
         self.calls.append((list(user_ids), lengths.copy(), kq[0].shape, positions.copy()))
 
+    def settle(self):
+        self.calls.append("settle")
+
 
 def test_archive_hook_gets_kq_and_positions(tmp_path):
     arch = RecordingArchive()
     engine = make_engine(tmp_path, archive=arch)
     events = random_events(40, 3)
     engine.apply(events[:20])
+    # every observe is followed by its settle (outside the engine's lock)
+    assert arch.calls[1::2] == ["settle"] * (len(arch.calls) // 2)
+    arch.calls = [c for c in arch.calls if c != "settle"]
     n_first = len(arch.calls)
     engine.apply(events[20:])
+    arch.calls = [c for c in arch.calls if c != "settle"]
     assert n_first >= 1 and len(arch.calls) > n_first
     first: dict[str, int] = {}
     for users, lengths, _, _ in arch.calls[:n_first]:

@@ -622,3 +622,45 @@ def test_rank_copies_do_not_wait_for_the_model_step(tmp_path: Path) -> None:
         step.join(30)
     assert sources.snapshot(["u-a"]).pos.tolist() == [5]
     assert int(sources.recent_events("u-a", 1).ts_ms[0]) == 2 * 10**9
+
+
+def test_rank_copies_do_not_wait_for_the_notes(tmp_path: Path) -> None:
+    """The NoteBank writes a step's notes after the engine releases the lock: a copy taken
+    meanwhile returns at once with the new state and the new tail (the routing query), the
+    user's counter moves again once the notes are in."""
+    import threading
+
+    from streams.validate import ValidEvent
+
+    env = make_env(tmp_path / "spill", n_users=2)
+    engine, sources, bank = env.stack.engine, env.stack.sources, env.stack.bank
+    assert env.stack.recent.defer_inner
+    inner = bank.observe_batch
+    started, release = threading.Event(), threading.Event()
+
+    def paused_notes(*args, **kwargs):  # the real notes write, held until released
+        started.set()
+        assert release.wait(30)
+        return inner(*args, **kwargs)
+
+    bank.observe_batch = paused_notes  # type: ignore[method-assign]
+    before = sources.snapshot(["user0"]).pos.tolist()[0]
+    ts = int(env.history["user0"].ts_ms[-1]) + 60_000
+    step = threading.Thread(
+        target=engine.apply, args=([ValidEvent("user0", "item1", ts, 1, 1.0, None, 0, 99)],)
+    )
+    step.start()
+    safety = threading.Timer(8.0, release.set)
+    safety.start()
+    try:
+        assert started.wait(30)
+        v_mid = sources.versions(["user0"])
+        t0 = time.monotonic()
+        during = sources.snapshot(["user0"]).pos.tolist()
+        assert time.monotonic() - t0 < 4 and during == [before + 1]
+        assert int(sources.recent_events("user0", 1).ts_ms[0]) == ts
+    finally:
+        release.set()
+        safety.cancel()
+        step.join(30)
+    assert sources.versions(["user0"]) != v_mid  # moved again once the notes were written
