@@ -19,7 +19,7 @@ from torch import nn
 from models.embeddings import EventEmbeddings
 from models.features import previous_ts, time_gap_buckets
 from models.memory.ops import memory_readout, memory_scan
-from models.memory.recurrent import event_positions, masked_qk
+from models.memory.recurrent import at_last_event, event_positions, masked_qk
 from models.sequences import EventSeqs
 from models.state import MemoryState
 from recmem.config import MemoryConfig, ModelConfig
@@ -147,9 +147,7 @@ class MemoryLayer(nn.Module):
             backend=mem.backend, chunk_size=mem.chunk_size, last_only=last_only,
         )  # fmt: skip
         if last_only:
-            B = x.shape[0]
-            last = torch.clamp(lengths - 1, min=0)
-            x = x[torch.arange(B, device=x.device), last][:, None]
+            x = at_last_event(x, lengths)[:, None]
         return self._mix(x, y.to(x.dtype))
 
     def _mix(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -244,11 +242,9 @@ class MemoryRecommender(nn.Module):
                 ks.append(kq[0])
                 qs.append(kq[1])
         out = self.readout(x) * valid[..., None]
-        last = torch.clamp(lengths - 1, min=0)
-        rows = torch.arange(B, device=items.device)
         has = lengths > 0
-        h = torch.where(has[:, None], out[rows, last], state.h)
-        last_ts = torch.where(has, ts_ms[rows, last], state.last_ts)
+        h = torch.where(has[:, None], at_last_event(out, lengths), state.h)
+        last_ts = torch.where(has, at_last_event(ts_ms, lengths), state.last_ts)
         new_state = MemoryState(
             S=torch.stack(Ss, dim=1),
             M=None if state.M is None else torch.stack([m for m in Ms if m is not None], dim=1),
@@ -296,7 +292,7 @@ class MemoryRecommender(nn.Module):
         ``state`` (rows with no events keep ``state.h``). Each layer takes the read-out-only
         form of the rule (``memory_readout``). The rank path's replay; no autograd, and on
         CUDA no host synchronisation (``models.graphs`` captures it)."""
-        B, T = items.shape
+        T = items.shape[1]
         if T == 0:
             return state.h.clone()
         x, _ = self._event_inputs(items, actions, ts_ms, lengths, state)

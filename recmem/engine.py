@@ -155,9 +155,10 @@ class Engine:
         self.lock: AbstractContextManager[Any] = nullcontext()
         """Held while ``apply`` changes the store or the archive (the gather that may move
         users between tiers; the scatter with the archive's observe; the bookkeeping), not
-        while the model computes nor while the archive settles (``ArchiveHook.settle``): readers holding it (the rank path's snapshots) see a
-        complete step and never wait for the model. Only one thread may call ``apply``
-        (and the partition methods); ``recmem serve`` sets it to the rank stack's lock."""
+        while the model computes nor while the archive settles (``ArchiveHook.settle``):
+        readers holding it (the rank path's snapshots) see a complete step and never wait
+        for the model. Only one thread may call ``apply`` (and the partition methods);
+        ``recmem serve`` sets it to the rank stack's lock."""
         self.partition_of: dict[str, int] = {}
         self._users_of: dict[int, set[str]] = {}
         self._dirty: dict[int, set[str]] = {}

@@ -25,7 +25,7 @@ from models.memory.chunk import DEFAULT_CHUNK_SIZE, memory_scan_chunk
 from models.memory.chunk_aligned import aligned_chunk_size, memory_scan_chunk_aligned
 from models.memory.naive import memory_scan_reference
 from models.memory.readout import READOUT_MAX_EVENTS, memory_readout_chunk
-from models.memory.recurrent import flush_denormals, memory_scan_recurrent
+from models.memory.recurrent import at_last_event, flush_denormals, memory_scan_recurrent
 from models.memory.triton_momentum import memory_scan_triton
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,9 @@ def _needs_grad(x: Any) -> bool:
 CPU_READOUT_MIN_EVENTS = 16
 CPU_READOUT_MIN_USERS = 4
 """On the CPU ``memory_readout`` takes the one-chunk form for runs of T >= 16 events or
-batches of B >= 4 users (``bench/bench_memory.py --readout``: level with the recurrent path
-at one user and ~16 events, ahead from there: 1.4x at 8 users x 24 events, 2.5x at 32);
+batches of B >= 4 users (``bench/bench_memory.py --readout``, memory_readout_cpu.json:
+0.78x of the recurrent path at one user x 9 events, 1.09x at 1 x 24, 1.34x at 8 x 9, 1.67x
+at 8 x 24, 2.5x at 32 x 24);
 smaller calls walk the events. On CUDA it always does (no host synchronisation: the rank
 path can capture it in a CUDA graph)."""
 
@@ -166,5 +167,4 @@ def memory_readout(
     if not last_only:
         return y
     lengths = args[9] if len(args) > 9 else kwargs["lengths"]
-    last = (lengths - 1).clamp(min=0)
-    return y[torch.arange(B, device=y.device), last][:, None]  # padding rows of y are 0
+    return at_last_event(y, lengths)[:, None]  # a user without events reads padding: 0

@@ -62,6 +62,12 @@ def event_positions(pos0: torch.Tensor, lengths: torch.Tensor, T: int) -> torch.
     return torch.where(steps[None, :] < lengths[:, None], pos, torch.zeros_like(pos))
 
 
+def at_last_event(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """x[b, lengths[b] - 1] for right-padded x [B, T, ...] (row 0 where lengths[b] is 0)."""
+    last = torch.clamp(lengths - 1, min=0)
+    return x[torch.arange(x.shape[0], device=x.device), last]
+
+
 def masked_qk(
     q: torch.Tensor,
     k: torch.Tensor,

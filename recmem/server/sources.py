@@ -44,8 +44,9 @@ class RecentEventsHook:
         self.inner = inner
         self.keep = keep
         self.defer_inner = defer_inner
-        self._pending: list[tuple[Any, ...]] = []
-        """Deferred inner ``observe`` calls (``defer_inner``), run by ``settle``."""
+        self._pending: list[tuple[tuple[Any, ...], list[str]]] = []
+        """Deferred inner ``observe`` calls (``defer_inner``) and the users each touches, run
+        by ``settle``."""
         self._tails: dict[str, UserEvents] = {}
         self._queries: dict[str, np.ndarray] = {}
         """user -> q~ [n, L, H, K] of the tail events (float32, host)."""
@@ -88,7 +89,9 @@ class RecentEventsHook:
         touched = [user_ids[b] for b in rows]
         if self.defer_inner and self.inner is not None:
             self._touch(touched)  # the tails changed
-            self._pending.append((user_ids, items, actions, ts_ms, lengths, kq, positions))
+            self._pending.append(
+                ((user_ids, items, actions, ts_ms, lengths, kq, positions), touched)
+            )
             return
         try:
             if self.inner is not None:
@@ -100,14 +103,13 @@ class RecentEventsHook:
         """Run the deferred inner ``observe`` calls (``defer_inner``), then move the
         counters of their users again."""
         while self._pending:
-            args = self._pending.pop(0)
+            args, touched = self._pending.pop(0)
             try:
                 if self.inner is not None:
                     self.inner.observe(*args)
                     self.inner.settle()
             finally:
-                lengths = args[4]
-                self._touch([u for u, n in zip(args[0], lengths) if n > 0])
+                self._touch(touched)
         if not self.defer_inner and self.inner is not None:
             self.inner.settle()
 
