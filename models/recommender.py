@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.config import MemoryConfig, ModelConfig
 from models.embeddings import EventEmbeddings
 from models.features import previous_ts, time_gap_buckets
 from models.memory.ops import memory_readout, memory_scan
 from models.memory.recurrent import at_last_event, event_positions, masked_qk
 from models.sequences import EventSeqs
 from models.state import MemoryState
-from recmem.config import MemoryConfig, ModelConfig
 
 
 @dataclass

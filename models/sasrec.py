@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from models.config import TrainConfig
 from models.sequences import EventSeqs
 from models.train import (
     TrainResult,
@@ -23,7 +24,6 @@ from models.train import (
     fit,
     prepare_training,
 )
-from recmem.config import TrainConfig
 
 
 @dataclass

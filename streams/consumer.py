@@ -22,8 +22,8 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, Topic
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from recmem.config import KafkaConfig
 from streams.admin import client_settings
+from streams.config import KafkaConfig
 from streams.metrics import IngestMetrics
 from streams.sink import BatchSink
 from streams.validate import DeadLetter, Limits, ValidEvent, validate_record

