@@ -57,13 +57,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
 
     def state(B: int) -> MemoryState:
-        return MemoryState(
-            torch.randn(B, L, H, K, V, generator=g) * 0.1,
-            torch.randn(B, L, H, K, V, generator=g) * 0.01,
-            torch.randint(0, 400, (B,), generator=g),
-            torch.full((B,), 1_600_000_000_000),
-            torch.randn(B, D, generator=g),
-        )
+        st = MemoryState.zeros(B, L, H, K, V, True, D)
+        st.S = torch.randn(B, L, H, K, V, generator=g) * 0.1
+        st.M = torch.randn(B, L, H, K, V, generator=g) * 0.01
+        st.pos = torch.randint(0, 400, (B,), generator=g)
+        st.last_ts = torch.full((B,), 1_600_000_000_000)
+        st.h = torch.randn(B, D, generator=g)
+        return st
 
     def events(B: int, T: int) -> tuple[torch.Tensor, ...]:
         items = torch.randint(0, n_items, (B, T), generator=g)
@@ -77,9 +77,7 @@ def main() -> None:
 
     def to(x: Any, where: Any, dtype: Any = None) -> Any:
         if isinstance(x, MemoryState):
-            return MemoryState(
-                *(None if t is None else to(t, where, dtype) for t in vars(x).values())
-            )
+            return x.map(lambda t: to(t, where, dtype))
         if dtype is not None and x.is_floating_point():
             return x.to(where, dtype)
         return x.to(where)

@@ -50,6 +50,20 @@ class ModelConfig:
     """Dropout on embeddings and layer outputs during training."""
     ffn_mult: int = 2
     """Feed-forward width multiplier in each layer (0 disables the feed-forward block)."""
+    hybrid: str = "none"
+    """How the per-user memory is combined with attention over the user's latest ``window``
+    events (Titans' hybrids; models/hybrid.py): none = the memory alone; mac = memory as
+    context (the memory read-out is the attention's query and one of its tokens); mag =
+    memory as gate (attention over the window from the latest event, mixed with the memory
+    read-out by a learned gate)."""
+    window: int = 32
+    """W: events in the attention window (with a hybrid); kept per user with the state."""
+    attn_heads: int = 2
+    """Attention heads of the hybrid's window attention."""
+    request_time: str = "none"
+    """What the read-out knows of the request's time ("now"; offline, the target's own
+    timestamp): none; gap = the time since the user's latest event (and, with a hybrid, the
+    age of each window event); gap_clock = gap plus the hour of day and day of week (UTC)."""
 
 
 @dataclass

@@ -48,13 +48,7 @@ class _Captured:
         self.actions = z(B, T, dtype=torch.int64, device=dev)
         self.ts = z(B, T, dtype=torch.int64, device=dev)
         self.lengths = z(B, dtype=torch.int64, device=dev)
-        self.state = MemoryState(
-            z(B, *like.S.shape[1:], dtype=like.S.dtype, device=dev),
-            None if like.M is None else z(B, *like.M.shape[1:], dtype=like.M.dtype, device=dev),
-            z(B, dtype=torch.int64, device=dev),
-            torch.full((B,), -1, dtype=torch.int64, device=dev),
-            z(B, *like.h.shape[1:], dtype=like.h.dtype, device=dev),
-        )
+        self.state = like.map(lambda t: z(B, *t.shape[1:], dtype=t.dtype, device=dev))
         self.model = model
         self.graph: Any = None
         if not capture:

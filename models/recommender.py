@@ -19,20 +19,24 @@ from torch import nn
 from models.config import MemoryConfig, ModelConfig
 from models.embeddings import EventEmbeddings
 from models.features import previous_ts, time_gap_buckets
+from models.hybrid import ReadHead
 from models.memory.ops import memory_readout, memory_scan
 from models.memory.recurrent import at_last_event, event_positions, masked_qk
 from models.sequences import EventSeqs
-from models.state import MemoryState
+from models.state import NO_ITEM, MemoryState
 
 
 @dataclass
 class AdvanceResult:
-    """What ``advance`` returns: the new state, the user vector after each event [B, T, D]
-    (zeros at padding) and optionally the masked/normalised (k~, q~), each [B, T, L, H, K]."""
+    """What ``advance`` returns: the new state, the memory layers' read-out after each event
+    [B, T, D] (zeros at padding), optionally the masked/normalised (k~, q~), each
+    [B, T, L, H, K], and, when request times were given, the user vector after each event
+    [B, T, D] (``ReadHead``)."""
 
     state: MemoryState
     outputs: torch.Tensor
     kq: tuple[torch.Tensor, torch.Tensor] | None = None
+    user: torch.Tensor | None = None
 
 
 class MemoryLayer(nn.Module):
@@ -173,8 +177,13 @@ class MemoryLayer(nn.Module):
 
 
 class MemoryRecommender(nn.Module):
-    """Event embedding -> L memory layers -> read-out user vector; scores = user vector dot
-    the tied item embedding rows 0 .. n_items-1 (the TRAIN items)."""
+    """Event embedding -> L memory layers -> read-out head (models/hybrid.py: optional
+    attention over the latest W events and the request's time) -> user vector; scores =
+    user vector dot the tied item embedding rows 0 .. n_items-1 (the TRAIN items).
+
+    The state after a user's events (``advance``) holds the memory read-out ``h`` and the
+    window; the user vector needs the request's time and is read from the state by
+    ``read_user``, the same head ``advance`` applies to every event given request times."""
 
     def __init__(
         self, n_items: int, n_oov_buckets: int, mem: MemoryConfig, model: ModelConfig
@@ -190,7 +199,7 @@ class MemoryRecommender(nn.Module):
         self.embed_norm = nn.LayerNorm(D)
         self.embed_dropout = nn.Dropout(model.dropout)
         self.layers = nn.ModuleList([MemoryLayer(mem, model) for _ in range(mem.n_layers)])
-        self.readout = nn.Linear(D, D)
+        self.head = ReadHead(model)
         self.use_kjt = False
         """Look event features up through torchrec's KJT path (see EventEmbeddings)."""
 
@@ -208,8 +217,9 @@ class MemoryRecommender(nn.Module):
             m.value_dim,
             m.momentum,
             self.embed_dim,
+            window=self.head.window,
             device=device,
-            dtype=self.readout.weight.dtype,
+            dtype=self.head.readout.weight.dtype,
         )
 
     def item_weight(self) -> torch.Tensor:
@@ -225,13 +235,17 @@ class MemoryRecommender(nn.Module):
         state: MemoryState,
         *,
         return_kq: bool = False,
+        request_ts: torch.Tensor | None = None,
     ) -> AdvanceResult:
-        """Apply new events ([B, T], right-padded; ``lengths`` [B] valid counts) to ``state``."""
+        """Apply new events ([B, T], right-padded; ``lengths`` [B] valid counts) to ``state``.
+        With ``request_ts`` [B, T] (the time each event's next-item question is asked:
+        offline, the next event's timestamp) also the user vector after each event."""
         B, T = items.shape
         if T == 0:
             z = state.h.new_zeros(B, 0, self.embed_dim)
-            return AdvanceResult(state, z, None)
-        x, valid = self._event_inputs(items, actions, ts_ms, lengths, state)
+            return AdvanceResult(state, z, None, None if request_ts is None else z)
+        x, valid, gaps = self._event_inputs(items, actions, ts_ms, lengths, state)
+        tokens = x
         Ss, Ms, ks, qs = [], [], [], []
         for li, layer in enumerate(self.layers):
             M0 = None if state.M is None else state.M[:, li]
@@ -241,19 +255,125 @@ class MemoryRecommender(nn.Module):
             if kq is not None:
                 ks.append(kq[0])
                 qs.append(kq[1])
-        out = self.readout(x) * valid[..., None]
+        out = x * valid[..., None]
         has = lengths > 0
         h = torch.where(has[:, None], at_last_event(out, lengths), state.h)
         last_ts = torch.where(has, at_last_event(ts_ms, lengths), state.last_ts)
+        window = self._shift_window(state, items, actions, gaps, ts_ms, valid, lengths)
         new_state = MemoryState(
             S=torch.stack(Ss, dim=1),
             M=None if state.M is None else torch.stack([m for m in Ms if m is not None], dim=1),
             pos=state.pos + lengths,
             last_ts=last_ts,
             h=h,
+            **window,
         )
         kq_out = (torch.stack(ks, dim=2), torch.stack(qs, dim=2)) if return_kq else None
-        return AdvanceResult(new_state, out, kq_out)
+        user = None
+        if request_ts is not None:
+            user = self._head(out, ts_ms, request_ts, state, tokens, valid, ts_ms)
+        return AdvanceResult(new_state, out, kq_out, user)
+
+    def _window_tokens(self, state: MemoryState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [B, W, D] of the state's window events (as the memory layers took them
+        in) and their validity [B, W]."""
+        ok = state.win_items != NO_ITEM
+        x = self.embed(
+            torch.where(ok, state.win_items, 0),
+            state.win_actions,
+            state.win_gaps,
+            torch.full_like(state.pos, state.window),
+        )
+        return self.embed_dropout(self.embed_norm(x)) * ok[..., None], ok
+
+    def _head(
+        self,
+        mem: torch.Tensor,
+        last_ts: torch.Tensor,
+        request_ts: torch.Tensor,
+        state: MemoryState,
+        new_tokens: torch.Tensor,
+        new_ok: torch.Tensor,
+        new_ts: torch.Tensor,
+    ) -> torch.Tensor:
+        """The head at each new event ([B, T]): its window is the state's window followed by
+        the new events."""
+        if self.head.window == 0:
+            return self.head(mem, last_ts, request_ts)
+        old, old_ok = self._window_tokens(state)
+        tokens = torch.cat([old, new_tokens], dim=1)
+        token_ts = torch.cat([state.win_ts, new_ts], dim=1)
+        token_ok = torch.cat([old_ok, new_ok], dim=1)
+        T = mem.shape[1]
+        qidx = state.window + torch.arange(T, device=mem.device)
+        return self.head(mem, last_ts, request_ts, tokens, token_ts, token_ok, qidx)
+
+    def _shift_window(
+        self,
+        state: MemoryState,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        gaps: torch.Tensor,
+        ts_ms: torch.Tensor,
+        valid: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The window after the new events: the last W of (old window, new valid events)."""
+        W = state.window
+        if W == 0:
+            return {k: v for k, v in state.to_fields().items() if k.startswith("win_")}
+        idx = lengths[:, None] + torch.arange(W, device=items.device)[None, :]  # [B, W]
+        out = {}
+        for name, new, empty in (
+            ("win_items", items, NO_ITEM),
+            ("win_actions", actions, 0),
+            ("win_gaps", gaps, 0),
+            ("win_ts", ts_ms, -1),
+        ):
+            new = torch.where(valid, new, empty)
+            both = torch.cat([getattr(state, name), new], dim=1)
+            out[name] = torch.gather(both, 1, idx)
+        return out
+
+    def push_window(
+        self,
+        state: MemoryState,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts_ms: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> MemoryState:
+        """``state`` with new events ([B, T], right-padded) in its window and last event
+        time, the memory untouched: a rank request's context events, whose memory read-out
+        comes from a replay on a copy (``replay_read``)."""
+        T = items.shape[1]
+        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
+        gaps = time_gap_buckets(
+            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
+        )
+        gaps = torch.where(valid, gaps, 0)
+        window = self._shift_window(state, items, actions, gaps, ts_ms, valid, lengths)
+        fields = state.to_fields()
+        fields.update(window)
+        if T:
+            has = lengths > 0
+            fields["last_ts"] = torch.where(has, at_last_event(ts_ms, lengths), state.last_ts)
+        return MemoryState.from_fields(fields)
+
+    def read_user(
+        self, state: MemoryState, request_ts: torch.Tensor, mem: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """User vectors [B, D] of ``state`` for requests at ``request_ts`` [B] (ms): the head
+        over the stored memory read-out (or ``mem`` [B, D], e.g. after a replay) and the
+        stored window; what ``advance`` gives for the latest event at the same request time."""
+        m = (state.h if mem is None else mem)[:, None]
+        req = request_ts[:, None]
+        last = state.last_ts[:, None]
+        if self.head.window == 0:
+            return self.head(m, last, req)[:, 0]
+        tokens, ok = self._window_tokens(state)
+        qidx = torch.full((1,), state.window - 1, dtype=torch.int64, device=m.device)
+        return self.head(m, last, req, tokens, state.win_ts, ok, qidx)[:, 0]
 
     def _event_inputs(
         self,
@@ -262,21 +382,23 @@ class MemoryRecommender(nn.Module):
         ts_ms: torch.Tensor,
         lengths: torch.Tensor,
         state: MemoryState,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first layer's input x [B, T, D] for new events, and valid [B, T]."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first layer's input x [B, T, D] for new events, valid [B, T] and the events'
+        time-gap buckets [B, T]."""
         T = items.shape[1]
         valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
         gaps = time_gap_buckets(
             ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
         )
+        gaps = torch.where(valid, gaps, 0)
         x = self.embed(
             torch.where(valid, items, 0),
             torch.where(valid, actions, 0),
-            torch.where(valid, gaps, 0),
+            gaps,
             lengths,
             use_kjt=self.use_kjt,
         )
-        return self.embed_dropout(self.embed_norm(x)), valid
+        return self.embed_dropout(self.embed_norm(x)), valid, gaps
 
     @torch.no_grad()
     def replay_read(
@@ -287,15 +409,16 @@ class MemoryRecommender(nn.Module):
         lengths: torch.Tensor,
         state: MemoryState,
     ) -> torch.Tensor:
-        """``advance(...).state.h`` without computing the state after the events: the user
-        vectors [B, D] read after running new events ([B, T], right-padded) on a copy of
-        ``state`` (rows with no events keep ``state.h``). Each layer takes the read-out-only
+        """``advance(...).state.h`` without computing the state after the events: the memory
+        read-outs [B, D] after running new events ([B, T], right-padded) on a copy of
+        ``state`` (rows with no events keep ``state.h``); ``read_user`` with ``mem`` turns
+        them into user vectors. Each layer takes the read-out-only
         form of the rule (``memory_readout``). The rank path's replay; no autograd, and on
         CUDA no host synchronisation (``models.graphs`` captures it)."""
         T = items.shape[1]
         if T == 0:
             return state.h.clone()
-        x, _ = self._event_inputs(items, actions, ts_ms, lengths, state)
+        x, _, _ = self._event_inputs(items, actions, ts_ms, lengths, state)
         top = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
             assert isinstance(layer, MemoryLayer)
@@ -304,8 +427,7 @@ class MemoryRecommender(nn.Module):
             x = layer.forward_readout(
                 x, state.S[:, li], M0, state.pos, lengths, last_only=li == top
             )
-        h = self.readout(x[:, 0])
-        return torch.where((lengths > 0)[:, None], h, state.h)
+        return torch.where((lengths > 0)[:, None], x[:, 0], state.h)
 
     def read_only(
         self,
@@ -317,10 +439,10 @@ class MemoryRecommender(nn.Module):
         prev_ts: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """User vectors [B, D] read from ``state`` for one event per user (items, actions,
+        """Memory read-outs [B, D] of ``state`` for one event per user (items, actions,
         ts_ms [B]) WITHOUT writing it: each layer reads its state with the event's q~
         (``MemoryLayer.read``), the next layer takes the previous layer's output as in
-        ``advance``, then the read-out. ``state`` is not changed.
+        ``advance``. ``state`` is not changed.
 
         The event's time-gap feature is measured from ``prev_ts`` [B] (the ts of the event
         before it in the user's history, -1 for none; default ``state.last_ts``); it is read
@@ -341,7 +463,7 @@ class MemoryRecommender(nn.Module):
         for li, layer in enumerate(self.layers):
             assert isinstance(layer, MemoryLayer)
             x = layer.read(x, state.S[:, li], pos)
-        return self.readout(x)
+        return x
 
     def score(self, user_vec: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:
         """[B, n_items] over the TRAIN catalog, or [B, C] for candidate indices [B, C]."""
@@ -357,22 +479,44 @@ class MemoryRecommender(nn.Module):
 
     @torch.no_grad()
     def user_vectors(
-        self, seqs: EventSeqs, query_rows: np.ndarray, batch_users: int = 256
+        self,
+        seqs: EventSeqs,
+        query_rows: np.ndarray,
+        request_ts: np.ndarray | None = None,
+        batch_users: int = 256,
     ) -> torch.Tensor:
         """[n, D] user vector after event row r (the user's events up to and including r),
-        for each r in ``query_rows``; each batch of users runs once through ``advance``."""
+        for each r in ``query_rows``, asked at ``request_ts`` (ms; default: the time of the
+        user's next event, else of r itself); each batch of users runs once through
+        ``advance``."""
         was_training = self.training
         self.eval()
         try:
-            return _gather_user_vectors(self, seqs, np.asarray(query_rows), batch_users)
+            rows = np.asarray(query_rows, dtype=np.int64)
+            req = next_event_ts(seqs, rows) if request_ts is None else np.asarray(request_ts)
+            return _gather_user_vectors(self, seqs, rows, req, batch_users)
         finally:
             self.train(was_training)
 
 
+def next_event_ts(seqs: EventSeqs, rows: np.ndarray) -> np.ndarray:
+    """Time of the event after each row in its user's sequence (the row's own time for a
+    user's last event): offline, the time a next-item question about that row is asked."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if len(rows) == 0:
+        return np.zeros(0, dtype=np.int64)
+    end = seqs.offsets[seqs.user_of_event()[rows] + 1]
+    return seqs.ts_ms[np.where(rows + 1 < end, rows + 1, rows)]
+
+
 def _gather_user_vectors(
-    model: MemoryRecommender, seqs: EventSeqs, rows: np.ndarray, batch_users: int
+    model: MemoryRecommender,
+    seqs: EventSeqs,
+    rows: np.ndarray,
+    request_ts: np.ndarray,
+    batch_users: int,
 ) -> torch.Tensor:
-    weight = model.readout.weight
+    weight = model.head.readout.weight
     device = weight.device
     result = torch.zeros(len(rows), model.embed_dim, device=device, dtype=weight.dtype)
     if len(rows) == 0:
@@ -387,13 +531,23 @@ def _gather_user_vectors(
     for start in range(0, len(order), batch_users):
         batch = order[start : start + batch_users]
         items, actions, ts, lengths = padded_batch(seqs, batch, need[batch], device)
-        res = model.advance(items, actions, ts, lengths, model.init_state(len(batch), device))
         slot = np.full(seqs.n_users, -1, dtype=np.int64)
         slot[batch] = np.arange(len(batch))
         sel = np.nonzero(slot[user_of] >= 0)[0]
+        # every event is asked at its next event's time, the queries at theirs
+        req = np.zeros(items.shape, dtype=np.int64)
+        valid = np.arange(items.shape[1])[None, :] < need[batch][:, None]
+        ev_rows = seqs.offsets[batch][:, None] + np.arange(items.shape[1])[None, :]
+        req[valid] = next_event_ts(seqs, ev_rows[valid])
+        req[slot[user_of[sel]], pos_in[sel]] = request_ts[sel]
+        res = model.advance(
+            items, actions, ts, lengths, model.init_state(len(batch), device),
+            request_ts=torch.as_tensor(req, device=device),
+        )  # fmt: skip
+        assert res.user is not None
         b_idx = torch.as_tensor(slot[user_of[sel]], device=device)
         t_idx = torch.as_tensor(pos_in[sel], device=device)
-        result[torch.as_tensor(sel, device=device)] = res.outputs[b_idx, t_idx]
+        result[torch.as_tensor(sel, device=device)] = res.user[b_idx, t_idx]
     return result
 
 

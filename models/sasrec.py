@@ -124,10 +124,15 @@ class SASRec(nn.Module):
 
     @torch.no_grad()
     def user_vectors(
-        self, seqs: EventSeqs, query_rows: np.ndarray, batch_size: int = 512
+        self,
+        seqs: EventSeqs,
+        query_rows: np.ndarray,
+        request_ts: np.ndarray | None = None,
+        batch_size: int = 512,
     ) -> torch.Tensor:
         """[n, D]: for each query row r, the last <= max_len events of r's user up to and
-        including r, encoded as one left-padded window; windows run in batches."""
+        including r, encoded as one left-padded window; windows run in batches. SASRec
+        does not use the request time."""
         self.eval()
         device = self.item_emb.weight.device
         rows = np.asarray(query_rows, dtype=np.int64)

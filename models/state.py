@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
+
+NO_ITEM = -1
+"""``win_items`` of an empty window slot (a user with fewer than W events)."""
 
 
 @dataclass
@@ -14,8 +18,15 @@ class MemoryState:
     S, M: [B, L, H, K, V] (M is None for the gated-delta variant, which has no momentum);
     pos: [B] int64, the user's count of applied events (Proteus position);
     last_ts: [B] int64, event time (ms) of the user's latest applied event, -1 if none;
-    h: [B, D] the model's read-out after the user's latest event (the user vector without
-    replay; zeros for a user with no events).
+    h: [B, D] the memory layers' output after the user's latest event (zeros for a user
+    with no events); the user vector is read from it (``MemoryRecommender.read_user``);
+    win_items, win_actions, win_gaps, win_ts: [B, W] int64, the user's latest W events
+    (item index, action index, time-gap bucket, event time), oldest first and right-aligned:
+    column W - 1 is the latest event; empty slots hold item NO_ITEM and ts -1. W = 0 (no
+    window) gives [B, 0] tensors.
+
+    Every field is a tensor whose first dimension is the user (M may be None), so stores
+    and checkpoints handle a state generically through ``to_fields`` / ``from_fields``.
     """
 
     S: torch.Tensor
@@ -23,6 +34,10 @@ class MemoryState:
     pos: torch.Tensor
     last_ts: torch.Tensor
     h: torch.Tensor
+    win_items: torch.Tensor
+    win_actions: torch.Tensor
+    win_gaps: torch.Tensor
+    win_ts: torch.Tensor
 
     @classmethod
     def zeros(
@@ -34,41 +49,71 @@ class MemoryState:
         value_dim: int,
         momentum: bool,
         embed_dim: int,
+        window: int = 0,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> MemoryState:
         shape = (batch, n_layers, n_heads, key_dim, value_dim)
+
+        def ints(fill: int) -> torch.Tensor:
+            return torch.full((batch, window), fill, dtype=torch.int64, device=device)
+
         return cls(
             S=torch.zeros(shape, device=device, dtype=dtype),
             M=torch.zeros(shape, device=device, dtype=dtype) if momentum else None,
             pos=torch.zeros(batch, dtype=torch.int64, device=device),
             last_ts=torch.full((batch,), -1, dtype=torch.int64, device=device),
             h=torch.zeros((batch, embed_dim), device=device, dtype=dtype),
+            win_items=ints(NO_ITEM),
+            win_actions=ints(0),
+            win_gaps=ints(0),
+            win_ts=ints(-1),
         )
+
+    @property
+    def window(self) -> int:
+        """W: events kept in the window."""
+        return int(self.win_items.shape[1])
+
+    def to_fields(self) -> dict[str, torch.Tensor]:
+        """name -> tensor for every field present (M is left out when None)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_fields(cls, f: dict[str, torch.Tensor]) -> MemoryState:
+        """Inverse of ``to_fields``; a missing M means no momentum."""
+        names = [x.name for x in fields(cls)]
+        missing = [n for n in names if n != "M" and n not in f]
+        if missing:
+            raise ValueError(f"state fields missing: {missing}")
+        return cls(**{n: f.get(n) for n in names})  # type: ignore[arg-type]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MemoryState:
+        """A state with ``fn`` applied to every tensor field."""
+        return MemoryState.from_fields({k: fn(v) for k, v in self.to_fields().items()})
 
     def clone(self) -> MemoryState:
-        return MemoryState(
-            self.S.clone(),
-            None if self.M is None else self.M.clone(),
-            self.pos.clone(),
-            self.last_ts.clone(),
-            self.h.clone(),
-        )
+        return self.map(torch.Tensor.clone)
 
     def detach(self) -> MemoryState:
-        return MemoryState(
-            self.S.detach(),
-            None if self.M is None else self.M.detach(),
-            self.pos,
-            self.last_ts,
-            self.h.detach(),
-        )
+        return self.map(torch.Tensor.detach)
 
     def index(self, rows: torch.Tensor | slice) -> MemoryState:
-        return MemoryState(
-            self.S[rows],
-            None if self.M is None else self.M[rows],
-            self.pos[rows],
-            self.last_ts[rows],
-            self.h[rows],
+        return self.map(lambda t: t[rows])
+
+    def to(self, device: torch.device | str) -> MemoryState:
+        return self.map(lambda t: t.to(device))
+
+    def put_rows(self, rows: torch.Tensor, other: MemoryState) -> MemoryState:
+        """A copy of this state with users ``rows`` replaced by ``other``'s (in order)."""
+        src = other.to_fields()
+        return MemoryState.from_fields(
+            {k: v.index_copy(0, rows, src[k]) for k, v in self.to_fields().items()}
         )
+
+    @staticmethod
+    def cat(states: list[MemoryState]) -> MemoryState:
+        """The users of ``states`` stacked in order."""
+        parts = [s.to_fields() for s in states]
+        return MemoryState.from_fields({k: torch.cat([p[k] for p in parts]) for k in parts[0]})

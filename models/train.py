@@ -296,13 +296,19 @@ class MemoryEpoch:
         # Inputs are events 0 .. len-2; the target of input t is item t + 1.
         in_len = lens - 1
         targets = torch.cat([items[:, 1:], items.new_zeros(len(users), 1)], dim=1)
+        # the question about input t is asked at the time of event t + 1
+        request_ts = torch.cat([ts[:, 1:], ts[:, -1:]], dim=1)
         T = int(in_len.max())
         state = model.init_state(len(users), device)
         loss_sum, n_total = 0.0, 0
         for s in range(0, T, tcfg.segment_len):
             e = min(s + tcfg.segment_len, T)
             seg_len = torch.clamp(in_len - s, min=0, max=e - s)
-            res = model.advance(items[:, s:e], actions[:, s:e], ts[:, s:e], seg_len, state)
+            res = model.advance(
+                items[:, s:e], actions[:, s:e], ts[:, s:e], seg_len, state,
+                request_ts=request_ts[:, s:e],
+            )  # fmt: skip
+            assert res.user is not None
             state = res.state.detach()
             cols = torch.arange(e - s, device=device)[None, :]
             tgt = targets[:, s:e]
@@ -314,7 +320,7 @@ class MemoryEpoch:
             if self.sampler is not None:
                 negatives = self.sampler.sample(tcfg.n_negatives, self.gen)
             loss = next_item_loss(
-                res.outputs[mask], tgt[mask], model.item_weight(), self.sampler, negatives
+                res.user[mask], tgt[mask], model.item_weight(), self.sampler, negatives
             )
             self.optim.zero_grad(set_to_none=True)
             loss.backward()

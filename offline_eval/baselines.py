@@ -33,7 +33,9 @@ class PopScorer:
         tie_break = 0.5 * min_gap * np.arange(split.n_items) / n
         self._items = torch.from_numpy(np.log1p(counts) - tie_break).unsqueeze(1)
 
-    def user_vectors(self, seqs: EventSeqs, query_rows: np.ndarray) -> torch.Tensor:
+    def user_vectors(
+        self, seqs: EventSeqs, query_rows: np.ndarray, request_ts: np.ndarray | None = None
+    ) -> torch.Tensor:
         return torch.ones(len(query_rows), 1, dtype=torch.float64)
 
     def item_matrix(self) -> torch.Tensor:

@@ -34,10 +34,13 @@ SCORE_BLOCK_ELEMENTS = 1 << 24
 class Scorer(Protocol):
     """What every evaluated model implements."""
 
-    def user_vectors(self, seqs: EventSeqs, query_rows: np.ndarray) -> torch.Tensor:
+    def user_vectors(
+        self, seqs: EventSeqs, query_rows: np.ndarray, request_ts: np.ndarray | None = None
+    ) -> torch.Tensor:
         """[n, D]: the user vector after event row r for each r in query_rows, computed from
         the user's events up to and including r, in order (rows are grouped by user, each
-        user's rows ascending)."""
+        user's rows ascending), for a question asked at ``request_ts`` (ms, one per row: the
+        target's own timestamp, the one thing about the target a model may use)."""
         ...
 
     def item_matrix(self) -> torch.Tensor:
@@ -143,7 +146,8 @@ def evaluate(
     chunks = _user_chunks(targets.users, batch_users or cfg.batch_users)
     with torch.no_grad():
         for lo, hi in tqdm(chunks, desc=f"eval {split.dataset}", disable=not progress):
-            uv = scorer.user_vectors(split.seqs, targets.query_rows[lo:hi])
+            request_ts = split.seqs.ts_ms[targets.rows[lo:hi]]
+            uv = scorer.user_vectors(split.seqs, targets.query_rows[lo:hi], request_ts)
             if uv.shape[0] != hi - lo:
                 raise ValueError(f"user_vectors returned {uv.shape[0]} rows for {hi - lo} queries")
             uv = uv.to(device=items.device, dtype=items.dtype)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.recommender import MemoryRecommender, padded_batch
+from models.recommender import MemoryRecommender, next_event_ts, padded_batch
 from models.sequences import EventSeqs
 from models.state import MemoryState
 from recmem.archive import NoteBank
@@ -98,6 +98,7 @@ class NotebankScorer:
         blend: float = 1.0,
     ) -> None:
         self.model = model
+        self._request_ts = np.zeros(0, dtype=np.int64)
         if not 0.0 <= blend <= 1.0:
             raise ValueError(f"blend must be in [0, 1], got {blend}")
         self.blend = blend
@@ -138,9 +139,15 @@ class NotebankScorer:
         }
 
     @torch.no_grad()
-    def user_vectors(self, seqs: EventSeqs, query_rows: np.ndarray) -> torch.Tensor:
+    def user_vectors(
+        self, seqs: EventSeqs, query_rows: np.ndarray, request_ts: np.ndarray | None = None
+    ) -> torch.Tensor:
         rows = np.asarray(query_rows, dtype=np.int64)
-        result = self.model.user_vectors(seqs, rows)  # the plain vectors (memory-proteus)
+        self._request_ts = (
+            next_event_ts(seqs, rows) if request_ts is None else np.asarray(request_ts)
+        )
+        # the plain vectors (memory-proteus)
+        result = self.model.user_vectors(seqs, rows, self._request_ts)
         self.stats["queries"] += len(rows)
         if self.R == 0 or len(rows) == 0:
             return result
@@ -204,7 +211,9 @@ class NotebankScorer:
                 continue
             targets = sel[q_idx]
             slots = q_slot[q_idx]
-            drift = (state.h[torch.as_tensor(slots, device=device)] - result[targets]).abs()
+            live = state.index(torch.as_tensor(slots, device=device))
+            req = torch.as_tensor(self._request_ts[targets], device=device)
+            drift = (self.model.read_user(live, req) - result[targets]).abs()
             self.stats["max_live_drift"] = max(self.stats["max_live_drift"], float(drift.max()))
             ev = rows[targets]  # the query events' rows, for the read-only read
             first_row = seqs.offsets[user_of[targets]]
@@ -291,4 +300,6 @@ class NotebankScorer:
             vec = self.model.read_only(it, ac, t, copy, prev_ts=prev_ts, positions=own)
         if self.blend < 1.0:
             vec = self.blend * vec + (1.0 - self.blend) * state.h[idx]
+        req = torch.as_tensor(self._request_ts[targets[keep]], device=device)
+        vec = self.model.read_user(state.index(idx), req, mem=vec)
         result[torch.as_tensor(targets[keep], device=device)] = vec.to(result.dtype)

@@ -333,10 +333,7 @@ class CheckpointStore:
                     continue
                 dst = torch.tensor([i for i, _ in pick], dtype=torch.int64)
                 src = torch.tensor([r for _, r in pick], dtype=torch.int64)
-                for name in ("S", "M", "pos", "last_ts", "h"):
-                    to, frm = getattr(state, name), getattr(ck.state, name)
-                    if to is not None and frm is not None:
-                        to.index_copy_(0, dst, frm.index_select(0, src))
+                state = state.put_rows(dst, ck.state.index(src))
         newest = chain[-1]
         return PartitionCheckpoint(
             partition=newest.partition,

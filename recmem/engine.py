@@ -302,11 +302,7 @@ class Engine:
         known = [i for i, u in enumerate(user_ids) if u in self.store]
         if known:
             got = self.store.read([user_ids[i] for i in known])
-            idx = torch.tensor(known, dtype=torch.int64)
-            for name in ("S", "pos", "last_ts", "h"):
-                getattr(out, name).index_copy_(0, idx, getattr(got, name))
-            if out.M is not None and got.M is not None:
-                out.M.index_copy_(0, idx, got.M)
+            out = out.put_rows(torch.tensor(known, dtype=torch.int64), got)
         return _to(out, self.device)
 
     def stats(self) -> dict[str, Any]:
@@ -321,10 +317,4 @@ class Engine:
 def _to(state: MemoryState, device: torch.device) -> MemoryState:
     if state.S.device == device:
         return state
-    return MemoryState(
-        state.S.to(device),
-        None if state.M is None else state.M.to(device),
-        state.pos.to(device),
-        state.last_ts.to(device),
-        state.h.to(device),
-    )
+    return state.to(device)

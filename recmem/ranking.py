@@ -114,6 +114,8 @@ class RankQuery:
     context: UserEvents = field(default_factory=UserEvents.empty)
     prefetched: Prefetched | None = None
     """Set by ``Ranker.prepare``; used only while the user's notes and tail are unchanged."""
+    request_ts_ms: int = 0
+    """When the question is asked (ms since the epoch); 0 = the server's clock at ranking."""
 
 
 @dataclass
@@ -367,6 +369,7 @@ class Ranker:
             user_vec = user_vec.index_copy(0, rows, vecs.to(user_vec.dtype))
         if before is not None:
             self._store(queries, cacheable, before, live_pos, query_ev, notes, user_vec, hits)
+        user_vec = self._read_users(queries, base, user_vec)
         results: list[RankResult] = []
         clock = self._lap("replay", clock)
         top = self._score(queries, user_vec, cold)
@@ -385,6 +388,24 @@ class Ranker:
                 )
             )
         return results
+
+    def _read_users(
+        self, queries: Sequence[RankQuery], base: MemoryState, mem: torch.Tensor
+    ) -> torch.Tensor:
+        """User vectors from the memory read-outs ``mem`` (live or replayed): the model's
+        head at each request's time, over the window with its context events pushed in."""
+        now = int(time.time() * 1000)
+        req = torch.as_tensor(
+            [q.request_ts_ms or now for q in queries], dtype=torch.int64, device=self.device
+        )
+        with_ctx = [i for i, q in enumerate(queries) if len(q.context)]
+        state = base
+        if with_ctx:
+            rows = torch.as_tensor(with_ctx, device=self.device)
+            items, actions, ts, lengths = _pad([queries[i].context for i in with_ctx], self.device)
+            pushed = self.model.push_window(base.index(rows), items, actions, ts, lengths)
+            state = base.put_rows(rows, pushed)
+        return self.model.read_user(state, req, mem=mem)
 
     def _cached(
         self,
@@ -443,13 +464,7 @@ class Ranker:
     def _move(self, state: MemoryState) -> MemoryState:
         if state.S.device == self.device:
             return state
-        return MemoryState(
-            state.S.to(self.device),
-            None if state.M is None else state.M.to(self.device),
-            state.pos.to(self.device),
-            state.last_ts.to(self.device),
-            state.h.to(self.device),
-        )
+        return state.to(self.device)
 
     def _route(
         self,

@@ -29,12 +29,11 @@ from recmem.config import MemoryConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("S", "M", "pos", "last_ts", "h")
-
 
 @dataclass(frozen=True)
 class StateLayout:
-    """Shape of one user's state: S and M [L, H, K, V] (no M without momentum), h [D]."""
+    """Shape of one user's state: S and M [L, H, K, V] (no M without momentum), h [D], and
+    the window of the latest W events (``models.state.MemoryState``)."""
 
     n_layers: int
     n_heads: int
@@ -42,12 +41,19 @@ class StateLayout:
     value_dim: int
     momentum: bool
     embed_dim: int
+    window: int = 0
     dtype: torch.dtype = torch.float32
 
     @classmethod
     def from_config(cls, mem: MemoryConfig, model: ModelConfig) -> StateLayout:
         return cls(
-            mem.n_layers, mem.n_heads, mem.key_dim, mem.value_dim, mem.momentum, model.embed_dim
+            mem.n_layers,
+            mem.n_heads,
+            mem.key_dim,
+            mem.value_dim,
+            mem.momentum,
+            model.embed_dim,
+            model.window if model.hybrid != "none" else 0,
         )
 
     def zeros(self, batch: int, device: torch.device | str = "cpu") -> MemoryState:
@@ -59,25 +65,29 @@ class StateLayout:
             self.value_dim,
             self.momentum,
             self.embed_dim,
+            window=self.window,
             device=device,
             dtype=self.dtype,
         )
 
+    def field_shapes(self, batch: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of each field for ``batch`` users."""
+        one = self.zeros(1, "meta").to_fields()
+        return {k: ((batch, *t.shape[1:]), t.dtype) for k, t in one.items()}
+
     def bytes_per_user(self) -> int:
-        item = torch.empty((), dtype=self.dtype).element_size()
-        memory = self.n_layers * self.n_heads * self.key_dim * self.value_dim * item
-        return memory * (2 if self.momentum else 1) + self.embed_dim * item + 2 * 8
+        return sum(
+            int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            for shape, dtype in self.field_shapes(1).values()
+        )
 
 
 def _fields(state: MemoryState) -> dict[str, torch.Tensor]:
-    out = {"S": state.S, "pos": state.pos, "last_ts": state.last_ts, "h": state.h}
-    if state.M is not None:
-        out["M"] = state.M
-    return out
+    return state.to_fields()
 
 
 def _from_fields(f: dict[str, torch.Tensor]) -> MemoryState:
-    return MemoryState(f["S"], f.get("M"), f["pos"], f["last_ts"], f["h"])
+    return MemoryState.from_fields(f)
 
 
 def state_to_numpy(state: MemoryState) -> dict[str, np.ndarray]:
@@ -93,17 +103,8 @@ def state_from_numpy(
 ) -> MemoryState:
     """Inverse of :func:`state_to_numpy` for a batch of users; validates sizes."""
     n = int(arrays["pos"].size // 8)
-    shapes = {
-        "S": ((n, layout.n_layers, layout.n_heads, layout.key_dim, layout.value_dim), layout.dtype),
-        "M": ((n, layout.n_layers, layout.n_heads, layout.key_dim, layout.value_dim), layout.dtype),
-        "pos": ((n,), torch.int64),
-        "last_ts": ((n,), torch.int64),
-        "h": ((n, layout.embed_dim), layout.dtype),
-    }
     out: dict[str, torch.Tensor] = {}
-    for name, (shape, dtype) in shapes.items():
-        if name == "M" and not layout.momentum:
-            continue
+    for name, (shape, dtype) in layout.field_shapes(n).items():
         if name not in arrays:
             raise ValueError(f"state arrays lack field {name!r}")
         raw = torch.from_numpy(np.array(arrays[name], copy=True).reshape(-1).view(np.uint8))
@@ -383,10 +384,4 @@ class UserStateStore:
 
 
 def _move(state: MemoryState, device: torch.device) -> MemoryState:
-    return MemoryState(
-        state.S.to(device),
-        None if state.M is None else state.M.to(device),
-        state.pos.to(device),
-        state.last_ts.to(device),
-        state.h.to(device),
-    )
+    return state.to(device)

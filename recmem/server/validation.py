@@ -126,8 +126,11 @@ def to_query(req: rank_pb2.RankRequest, vocab: ItemVocab, limits: Limits) -> Ran
                 f"{limits.max_replay_notes} (server.max_replay_notes)"
             )
         notes = req.replay.notes or limits.default_replay_notes
+    if req.request_ts_ms < 0:
+        raise InvalidRequest(f"request_ts_ms must be >= 0 (0 = now), got {req.request_ts_ms}")
     return RankQuery(
         user_id=req.user_id,
+        request_ts_ms=req.request_ts_ms,
         k=req.k,
         candidates=_candidates(req, vocab, limits),
         replay_notes=notes,

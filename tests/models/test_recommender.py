@@ -46,7 +46,7 @@ def batch(B: int = 3, T: int = 12, seed: int = 0):
 
 def advance(model, items, actions, ts, lengths, state=None, **kw):
     state = state if state is not None else model.init_state(items.shape[0], "cpu")
-    dtype = model.readout.weight.dtype
+    dtype = model.head.readout.weight.dtype
     state.S, state.h = state.S.to(dtype), state.h.to(dtype)
     if state.M is not None:
         state.M = state.M.to(dtype)
@@ -157,24 +157,83 @@ def test_score_full_and_candidates() -> None:
     assert torch.equal(model.item_matrix(), model.embed.item_weight()[:N_ITEMS])
 
 
-def test_user_vectors_match_advance() -> None:
-    model = small_model()
+HEADS = [("none", "none"), ("none", "gap_clock"), ("mac", "gap"), ("mag", "gap_clock")]
+
+
+def head_model(hybrid: str, request_time: str, window: int = 4) -> MemoryRecommender:
+    cfg = Config()
+    cfg.memory.key_dim = cfg.memory.value_dim = 8
+    cfg.memory.n_heads = 2
+    cfg.memory.n_blocks = 4
+    cfg.memory.horizon = 8
+    cfg.memory.backend = "recurrent"
+    cfg.model.embed_dim = 16
+    cfg.model.hybrid, cfg.model.request_time, cfg.model.window = hybrid, request_time, window
+    torch.manual_seed(0)
+    model = MemoryRecommender(N_ITEMS, N_OOV, cfg.memory, cfg.model).eval()
+    with torch.no_grad():  # the head's biases start at 0: give them values to test
+        for name, p in model.head.named_parameters():
+            if "bias" in name:
+                p.normal_()
+    return model.double()
+
+
+@pytest.mark.parametrize("hybrid,request_time", HEADS)
+def test_user_vectors_equal_streamed_state(hybrid: str, request_time: str) -> None:
+    """The offline path (all of a user's events in one advance, the head at every event)
+    equals the served path: events applied in pieces, then ``read_user`` of the state."""
+    model = head_model(hybrid, request_time)
     seqs = cyclic_seqs(n_users=5, n_items=N_ITEMS, max_len=12)
     rows = np.array(
-        [seqs.offsets[1] + 2, seqs.offsets[3], seqs.offsets[4] + 1, seqs.offsets[4] + 2]
+        [seqs.offsets[1] + 2, seqs.offsets[3], seqs.offsets[4] + 1, seqs.offsets[5] - 1]
     )
-    got = model.user_vectors(seqs, rows, batch_users=2).double()
+    req = seqs.ts_ms[rows] + np.array([5_000, 3_600_000 * 30, 0, 86_400_000 * 3])
+    got = model.user_vectors(seqs, rows, request_ts=req, batch_users=2).double()
     for i, r in enumerate(rows):
         u = int(np.searchsorted(seqs.offsets, r, side="right") - 1)
-        s, e = int(seqs.offsets[u]), int(r) + 1
-        out = advance(
-            model,
-            torch.as_tensor(seqs.items[s:e])[None],
-            torch.as_tensor(seqs.actions[s:e])[None],
-            torch.as_tensor(seqs.ts_ms[s:e])[None],
-            torch.tensor([e - s]),
-        ).outputs
-        assert torch.allclose(got[i], out[0, -1], atol=1e-10)
+        state = model.init_state(1, "cpu")
+        state = state.map(lambda t: t.double() if t.is_floating_point() else t)
+        for s, e in _pieces(int(seqs.offsets[u]), int(r) + 1):
+            state = model.advance(
+                torch.as_tensor(seqs.items[s:e])[None],
+                torch.as_tensor(seqs.actions[s:e])[None],
+                torch.as_tensor(seqs.ts_ms[s:e])[None],
+                torch.tensor([e - s]),
+                state,
+            ).state
+        want = model.read_user(state, torch.tensor([int(req[i])]))
+        assert torch.allclose(got[i], want[0], atol=1e-10)
+
+
+def _pieces(s: int, e: int) -> list[tuple[int, int]]:
+    """[s, e) cut into runs of 1, 2, 3, ... events (so windows straddle pieces)."""
+    out, n = [], 1
+    while s < e:
+        out.append((s, min(e, s + n)))
+        s, n = s + n, n + 1
+    return out
+
+
+@pytest.mark.parametrize("hybrid,request_time", HEADS[1:])
+def test_request_time_changes_the_user_vector(hybrid: str, request_time: str) -> None:
+    model = head_model(hybrid, request_time)
+    items, actions, ts = batch(B=2, T=6)
+    state = advance(model, items, actions, ts, torch.tensor([6, 3])).state
+    soon = model.read_user(state, state.last_ts + 1_000)
+    later = model.read_user(state, state.last_ts + 86_400_000 * 40)
+    assert not torch.allclose(soon, later)
+
+
+def test_window_keeps_the_latest_events() -> None:
+    model = head_model("mac", "gap", window=4)
+    items, actions, ts = batch(B=2, T=6)
+    st = advance(model, items[:, :2], actions[:, :2], ts[:, :2], torch.tensor([2, 1])).state
+    assert st.win_items[0].tolist() == [-1, -1, *items[0, :2].tolist()]
+    assert st.win_items[1].tolist() == [-1, -1, -1, int(items[1, 0])]
+    st = advance(model, items[:, 2:], actions[:, 2:], ts[:, 2:], torch.tensor([4, 0]), st).state
+    assert st.win_items[0].tolist() == items[0, 2:].tolist()
+    assert st.win_ts[0].tolist() == ts[0, 2:].tolist()
+    assert st.win_items[1].tolist() == [-1, -1, -1, int(items[1, 0])]
 
 
 def test_time_gap_buckets() -> None:

@@ -20,7 +20,9 @@ class LastItemScorer:
         self.n = split.n_items
         self.calls: list[int] = []
 
-    def user_vectors(self, seqs: EventSeqs, query_rows: np.ndarray) -> torch.Tensor:
+    def user_vectors(
+        self, seqs: EventSeqs, query_rows: np.ndarray, request_ts: np.ndarray | None = None
+    ) -> torch.Tensor:
         self.calls.append(len(query_rows))
         out = torch.zeros(len(query_rows), self.n)
         items = seqs.items[query_rows]

@@ -90,7 +90,10 @@ def test_matches_the_service_rank_path(env: RankEnv) -> None:
     assert scorer.stats["replayed"] == len(last)
     ours = env.model.score(vec)
     res = env.stack.ranker.rank(
-        [RankQuery(user, k=N_ITEMS, replay_notes=2) for user in seqs.user_ids]
+        [  # asked at the time offline evaluation uses for a user's last event: its own
+            RankQuery(user, k=N_ITEMS, replay_notes=2, request_ts_ms=int(seqs.ts_ms[r]))
+            for user, r in zip(seqs.user_ids, last, strict=True)
+        ]
     )
     for b, r in enumerate(res):
         assert r.position == EVENTS_PER_USER and r.notes_replayed == 2
@@ -172,7 +175,9 @@ def test_final_pass_diagnostics(env: RankEnv) -> None:
     state = env.model.init_state(1, "cpu")
     state = env.model.advance(*padded_batch(seqs, users, np.array([r + 1]), "cpu"), state).state
     again = padded_batch(seqs, users, np.array([1]), "cpu", np.array([r]))
-    want = env.model.advance(*again, state).state.h[0]
+    mem = env.model.advance(*again, state.clone()).state.h
+    req = torch.tensor([int(seqs.ts_ms[seqs.offsets[u] + r + 1])])
+    want = env.model.read_user(state, req, mem=mem)[0]
     i = int(np.flatnonzero(rows == seqs.offsets[u] + r)[0])
     torch.testing.assert_close(vec["query_only"][i], want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="final_pass"):
@@ -231,10 +236,12 @@ def test_read_only_passes(env: RankEnv) -> None:
                 torch.tensor([0])),
         ).state  # fmt: skip
         last = int(seqs.offsets[u + 1] - 1)
-        want = env.model.read_only(
+        mem = env.model.read_only(
             torch.tensor([seqs.items[last]]), torch.tensor([seqs.actions[last]]),
             torch.tensor([seqs.ts_ms[last]]), copy, prev_ts=torch.tensor([seqs.ts_ms[last - 1]]),
-        )[0]  # fmt: skip
+        )  # fmt: skip
+        req = torch.tensor([int(seqs.ts_ms[last])])
+        want = env.model.read_user(before, req, mem=mem)[0]
         i = int(np.flatnonzero(rows == last)[0])
         torch.testing.assert_close(vec["read_only"][i], want, atol=1e-4, rtol=1e-4)
         assert torch.equal(state.S, before.S)  # the snapshot copy was not written

@@ -32,6 +32,10 @@ def small_config(spill_dir: Path) -> Config:
     cfg.model.embed_dim = 32
     cfg.model.n_oov_buckets = 8
     cfg.model.dropout = 0.0
+    # the full read-out head: window attention (state kept per user) and request time
+    cfg.model.hybrid = "mac"
+    cfg.model.window = 8
+    cfg.model.request_time = "gap_clock"
     cfg.archive.chunk_events = 8
     cfg.archive.window = 2
     cfg.archive.max_span = 4

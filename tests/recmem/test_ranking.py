@@ -21,20 +21,33 @@ def _t(a: np.ndarray) -> torch.Tensor:
     return torch.as_tensor(a, dtype=torch.int64)[None]
 
 
+REQUEST_TS = 10**12 + 3_600_000
+"""Every request here is asked at this time (after every event of rank_env)."""
+
+
 @torch.no_grad()
-def expected_vector(env: RankEnv, user: str, events: UserEvents) -> torch.Tensor:
-    """The user vector after ``events`` on a copy of the user's state, the obvious way."""
+def expected_vector(
+    env: RankEnv, user: str, events: UserEvents, context: UserEvents | None = None
+) -> torch.Tensor:
+    """The user vector after ``events`` on a copy of the user's state, the obvious way: the
+    memory read-out after them, read at REQUEST_TS over the window (+ the context)."""
     state = env.stack.sources.snapshot([user])
-    if len(events) == 0:
-        return state.h[0]
-    res = env.model.advance(
-        _t(events.items), _t(events.actions), _t(events.ts_ms), torch.tensor([len(events)]), state
-    )
-    return res.state.h[0]
+    mem = state.h
+    if len(events):
+        mem = env.model.advance(
+            _t(events.items), _t(events.actions), _t(events.ts_ms), torch.tensor([len(events)]),
+            state.clone(),
+        ).state.h  # fmt: skip
+    if context is not None:
+        state = env.model.push_window(
+            state, _t(context.items), _t(context.actions), _t(context.ts_ms),
+            torch.tensor([len(context)]),
+        )  # fmt: skip
+    return env.model.read_user(state, torch.tensor([REQUEST_TS]), mem=mem)[0]
 
 
 def test_rank_matches_the_user_vector_and_catalog_scores(env: RankEnv) -> None:
-    (res,) = env.stack.ranker.rank([RankQuery("user0", k=10)])
+    (res,) = env.stack.ranker.rank([RankQuery("user0", k=10, request_ts_ms=REQUEST_TS)])
     vec = expected_vector(env, "user0", UserEvents.empty())
     scores = (env.model.item_weight() @ vec).detach()
     top = torch.topk(scores, 10)
@@ -45,8 +58,9 @@ def test_rank_matches_the_user_vector_and_catalog_scores(env: RankEnv) -> None:
 
 def test_context_is_applied_after_the_state(env: RankEnv) -> None:
     ctx = user_events(np.random.default_rng(5), 3, t0=10**12)
-    (res,) = env.stack.ranker.rank([RankQuery("user1", k=N_ITEMS, context=ctx)])
-    vec = expected_vector(env, "user1", ctx)
+    q = RankQuery("user1", k=N_ITEMS, context=ctx, request_ts_ms=REQUEST_TS)
+    (res,) = env.stack.ranker.rank([q])
+    vec = expected_vector(env, "user1", ctx, context=ctx)
     scores = (env.model.item_weight() @ vec).detach().numpy()
     np.testing.assert_allclose(res.scores, scores[res.items], rtol=1e-5, atol=1e-6)
     assert res.context_applied == 3 and res.position == EVENTS_PER_USER
@@ -84,7 +98,8 @@ def test_stored_queries_are_the_q_of_the_latest_event(env: RankEnv) -> None:
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_replay_runs_routed_notes_then_the_query_events(env: RankEnv, R: int) -> None:
     assert env.stack.bank.note_count("user2") >= 4
-    (res,) = env.stack.ranker.rank([RankQuery("user2", k=N_ITEMS, replay_notes=R)])
+    q = RankQuery("user2", k=N_ITEMS, replay_notes=R, request_ts_ms=REQUEST_TS)
+    (res,) = env.stack.ranker.rank([q])
     n_query = env.cfg.server.replay_query_events
     recent = env.stack.sources.recent_events("user2", n_query)
     stored = env.stack.sources.recent_queries("user2", n_query)
@@ -101,10 +116,11 @@ def test_replay_runs_routed_notes_then_the_query_events(env: RankEnv, R: int) ->
 
 def test_replay_with_context_routes_on_the_context(env: RankEnv) -> None:
     ctx = user_events(np.random.default_rng(9), 3, t0=10**12)
-    (res,) = env.stack.ranker.rank([RankQuery("user4", k=N_ITEMS, replay_notes=2, context=ctx)])
+    q = RankQuery("user4", k=N_ITEMS, replay_notes=2, context=ctx, request_ts_ms=REQUEST_TS)
+    (res,) = env.stack.ranker.rank([q])
     notes = routed_notes(env, "user4", ctx, 2)
     assert res.notes_replayed == len(notes) >= 1
-    vec = expected_vector(env, "user4", UserEvents.concat([*notes, ctx]))
+    vec = expected_vector(env, "user4", UserEvents.concat([*notes, ctx]), context=ctx)
     scores = (env.model.item_weight() @ vec).detach().numpy()
     np.testing.assert_allclose(res.scores, scores[res.items], rtol=1e-5, atol=1e-6)
 

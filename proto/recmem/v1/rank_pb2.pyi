@@ -16,18 +16,20 @@ class ReplayOptions(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., notes: _Optional[int] = ...) -> None: ...
 
 class RankRequest(_message.Message):
-    __slots__ = ("user_id", "candidate_item_ids", "k", "replay", "context")
+    __slots__ = ("user_id", "candidate_item_ids", "k", "replay", "context", "request_ts_ms")
     USER_ID_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TS_MS_FIELD_NUMBER: _ClassVar[int]
     user_id: str
     candidate_item_ids: _containers.RepeatedScalarFieldContainer[str]
     k: int
     replay: ReplayOptions
     context: _containers.RepeatedCompositeFieldContainer[_event_pb2.Event]
-    def __init__(self, user_id: _Optional[str] = ..., candidate_item_ids: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., replay: _Optional[_Union[ReplayOptions, _Mapping]] = ..., context: _Optional[_Iterable[_Union[_event_pb2.Event, _Mapping]]] = ...) -> None: ...
+    request_ts_ms: int
+    def __init__(self, user_id: _Optional[str] = ..., candidate_item_ids: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., replay: _Optional[_Union[ReplayOptions, _Mapping]] = ..., context: _Optional[_Iterable[_Union[_event_pb2.Event, _Mapping]]] = ..., request_ts_ms: _Optional[int] = ...) -> None: ...
 
 class ScoredItem(_message.Message):
     __slots__ = ("item_id", "score")
