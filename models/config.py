@@ -13,12 +13,13 @@ class MemoryConfig:
 
     n_layers: int = 2
     """L: memory layers stacked in the model."""
-    n_heads: int = 4
+    n_heads: int = 2
     """H: heads per layer; each head has its own S and M."""
-    key_dim: int = 64
+    key_dim: int = 32
     """K: rows of S and M (the dimension Proteus unlocks in blocks)."""
-    value_dim: int = 64
-    """V: columns of S and M."""
+    value_dim: int = 32
+    """V: columns of S and M. With the defaults a user's resident state (S and M of every
+    layer and head in fp32, the window, the read-out) is 34,064 bytes."""
     momentum: bool = True
     """True: the Titans rule with momentum eta (default). False: eta = 0, the gated delta rule."""
     n_blocks: int = 16
@@ -70,25 +71,36 @@ class ModelConfig:
 class TrainConfig:
     """Training on the TRAIN part of the strict global time split."""
 
-    epochs: int = 50
-    """Maximum passes over the training users (early stopping usually ends sooner)."""
-    batch_size: int = 32
-    """Users per optimisation step (SASRec: training windows of up to 200 events)."""
+    epochs: int = 200
+    """Cap on passes over the training users (a guard: early stopping, counted in
+    validations, ends training)."""
+    batch_size: int = 0
+    """Users per optimisation step (SASRec: training windows of up to 200 events); 0 = from
+    the dataset's size: the number of training users / BATCH_USERS_DIVISOR, clipped to
+    [BATCH_MIN, BATCH_MAX] (models/train.py)."""
     segment_len: int = 200
     """Truncated back-propagation length: longer histories run in segments of this many
     events, the memory state carried (detached) between segments so positions stay exact."""
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """AdamW peak learning rate (reached after the warmup)."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
+    warmup_steps: int = 100
+    """Optimizer steps of linear learning-rate warmup from 0 to ``lr``."""
+    lr_decay: float = 0.3
+    """On a plateau (``decay_patience`` validations without a VALID improvement) the
+    learning rate is multiplied by this."""
+    decay_patience: int = 2
+    """Validations without improvement before the learning rate decays (0 = never)."""
     loss: str = "full"
     """full: full-softmax cross-entropy over the catalog; sampled: sampled softmax."""
     n_negatives: int = 1024
     """Negatives per step for the sampled softmax."""
-    patience: int = 3
-    """Early stopping: epochs without a VALID NDCG@10 improvement before stopping."""
-    eval_every: int = 1
-    """Validate every this many epochs."""
+    patience: int = 6
+    """Early stopping: validations without a VALID NDCG@10 improvement before stopping
+    (counted in validations, so the same value fits datasets of any size)."""
+    eval_every: int = 100
+    """Validate every this many optimizer steps (and once at the end)."""
     seed: int = 0
     """Seed for weights, batching and sampling."""
     device: str = "auto"

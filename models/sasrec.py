@@ -19,10 +19,13 @@ from tqdm import tqdm
 from models.config import TrainConfig
 from models.sequences import EventSeqs
 from models.train import (
+    TrainControl,
     TrainResult,
     ValidateFn,
+    auto_batch_size,
     fit,
     prepare_training,
+    to_device,
 )
 
 
@@ -186,41 +189,51 @@ class SASRecEpoch:
     ) -> None:
         self.model, self.seqs, self.tcfg, self.device = model, seqs, tcfg, device
         self.starts, self.ends = training_windows(lengths, seqs.offsets, model.cfg.max_len)
+        self.batch_size = auto_batch_size(tcfg, int((np.asarray(lengths) >= 2).sum()))
         self.rng = np.random.default_rng(tcfg.seed)
-        self.optim = torch.optim.AdamW(
+        self.optim: torch.optim.Optimizer = torch.optim.AdamW(
             model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay
         )
 
-    def __call__(self, epoch: int) -> float:
+    def __call__(self, epoch: int, control: TrainControl) -> float:
         model, L = self.model, self.model.cfg.max_len
         order = self.rng.permutation(len(self.ends))
-        total, count = 0.0, 0
+        total: torch.Tensor | float = 0.0
+        count = 0
         bar = tqdm(
-            range(0, len(order), self.tcfg.batch_size),
+            range(0, len(order), self.batch_size),
             desc=f"sasrec epoch {epoch + 1}",
             leave=False,
         )
         for b in bar:
-            sel = order[b : b + self.tcfg.batch_size]
+            sel = order[b : b + self.batch_size]
             w_np = window_matrix(
                 self.seqs.items, self.ends[sel], self.starts[sel], L + 1, model.pad
             )
-            w = torch.as_tensor(w_np, device=self.device)
-            inputs, targets = w[:, :-1], w[:, 1:]
-            h = model(inputs)
-            mask = (inputs != model.pad) & (targets < model.n_items)
-            n = int(mask.sum())
+            # targets chosen on the host: no step waits for the device
+            mask_np = (w_np[:, :-1] != model.pad) & (w_np[:, 1:] < model.n_items)
+            n = int(mask_np.sum())
             if n == 0:
                 continue
-            loss = F.cross_entropy(h[mask] @ model.item_weight().T, targets[mask])
+            w = to_device(torch.from_numpy(w_np), self.device)
+            flat = to_device(torch.from_numpy(np.flatnonzero(mask_np)), self.device)
+            inputs, targets = w[:, :-1], w[:, 1:]
+            h = model(inputs)
+            h_sel = h.reshape(-1, h.shape[-1]).index_select(0, flat)
+            tgt = targets.reshape(-1).index_select(0, flat)
+            loss = F.cross_entropy(h_sel @ model.item_weight().T, tgt)
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            control.before_step()
             self.optim.step()
-            total += float(loss.detach()) * n
+            step_loss = loss.detach()
+            total = step_loss * n + total
             count += n
-            bar.set_postfix(loss=f"{total / count:.4f}")
-        return total / max(count, 1)
+            bar.set_postfix(step=control.step)
+            if control.after_step(step_loss, n):
+                break
+        return float(total) / max(count, 1)
 
 
 def train_sasrec(

@@ -22,6 +22,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -37,21 +38,45 @@ from models.sequences import EventSeqs
 
 log = logging.getLogger(__name__)
 
-EpochFn = Callable[[int], float]
-"""Runs one training epoch (0-based index) and returns its mean training loss."""
+BATCH_USERS_DIVISOR = 48
+BATCH_MIN, BATCH_MAX = 16, 128
+"""``train.batch_size = 0``: users per step = training users / BATCH_USERS_DIVISOR, clipped
+to [BATCH_MIN, BATCH_MAX] (ML-100K: 19, ML-1M: 125), so a small dataset still gets enough
+optimizer steps per pass and a large one fills the GPU."""
+
 ValidateFn = Callable[[], dict[str, float]]
 """Returns validation metrics (at least ``early_stop_metric``) for the current weights."""
 
 
+class Epoch(Protocol):
+    """One pass over the training data; calls ``control.before_step()`` before and
+    ``control.after_step(loss, n)`` after each optimizer step and stops early when the
+    latter returns True. Returns the pass's mean training loss."""
+
+    optim: torch.optim.Optimizer
+
+    def __call__(self, epoch: int, control: TrainControl) -> float: ...
+
+
 @dataclass
 class TrainResult:
-    """What ``fit`` did: per-epoch history, the best epoch and its metrics, the time spent."""
+    """What ``fit`` did: one history entry per validation, the best one, the time spent."""
 
     history: list[dict[str, object]] = field(default_factory=list)
     best_epoch: int = -1
+    best_step: int = -1
     best_valid: dict[str, float] = field(default_factory=dict)
     train_seconds: float = 0.0
+    valid_seconds: float = 0.0
+    """Of train_seconds, the time spent validating."""
+    steps: int = 0
+    targets: int = 0
+    """Next-item targets trained on (summed over steps)."""
     stopped: str = "epochs"
+
+    def targets_per_second(self) -> float:
+        """Training throughput: targets per second of training, validation excluded."""
+        return self.targets / max(self.train_seconds - self.valid_seconds, 1e-9)
 
 
 def pick_device(name: str) -> torch.device:
@@ -61,13 +86,23 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def auto_batch_size(tcfg: TrainConfig, n_train_users: int) -> int:
+    """``train.batch_size``, or for 0 the size derived from the number of training users."""
+    if tcfg.batch_size > 0:
+        return tcfg.batch_size
+    return int(np.clip(n_train_users // BATCH_USERS_DIVISOR, BATCH_MIN, BATCH_MAX))
+
+
 def check_train_config(tcfg: TrainConfig) -> None:
     """Reject settings the loops cannot run with, naming the field."""
     checks = [
         (tcfg.epochs >= 1, "train.epochs must be >= 1"),
-        (tcfg.batch_size >= 1, "train.batch_size must be >= 1"),
+        (tcfg.batch_size >= 0, "train.batch_size must be >= 0 (0 = from the dataset size)"),
         (tcfg.segment_len >= 1, "train.segment_len must be >= 1"),
         (tcfg.lr > 0, "train.lr must be > 0"),
+        (tcfg.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
+        (0 < tcfg.lr_decay <= 1, "train.lr_decay must be in (0, 1]"),
+        (tcfg.decay_patience >= 0, "train.decay_patience must be >= 0"),
         (tcfg.patience >= 1, "train.patience must be >= 1"),
         (tcfg.eval_every >= 1, "train.eval_every must be >= 1"),
         (tcfg.n_negatives >= 1, "train.n_negatives must be >= 1"),
@@ -84,58 +119,129 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % (2**32))
 
 
+class TrainControl:
+    """The recipe every model trains with, counted in optimizer steps and validations (never
+    epochs, so one setting fits datasets of any size): linear warmup to ``lr`` over
+    ``warmup_steps``; validation every ``eval_every`` steps, keeping the best weights;
+    after ``decay_patience`` validations without improvement the rate is multiplied by
+    ``lr_decay``; after ``patience`` validations without improvement, or ``max_seconds``,
+    training stops."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        tcfg: TrainConfig,
+        validate: ValidateFn | None,
+        metric: str,
+    ) -> None:
+        self.model, self.optim, self.tcfg = model, optim, tcfg
+        self.validate_fn, self.metric = validate, metric
+        self.result = TrainResult()
+        self.step = 0
+        self.epoch = 0
+        self.scale = 1.0
+        self.best_score = -math.inf
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.bad = 0
+        self.since_decay = 0
+        self.loss_sum: float | torch.Tensor = 0.0
+        self.loss_n = 0
+        self.start = time.perf_counter()
+        self.stop = False
+        self.checked_at = -1
+
+    def lr(self) -> float:
+        warm = min(1.0, (self.step + 1) / self.tcfg.warmup_steps) if self.tcfg.warmup_steps else 1.0
+        return self.tcfg.lr * warm * self.scale
+
+    def before_step(self) -> None:
+        for group in self.optim.param_groups:
+            group["lr"] = self.lr()
+
+    def after_step(self, loss: float | torch.Tensor, n: int) -> bool:
+        """Count a step of mean loss ``loss`` over ``n`` targets (a device tensor is read
+        only at the next validation); True = stop training."""
+        self.step += 1
+        self.result.targets += n
+        self.loss_sum += loss * n
+        self.loss_n += n
+        out_of_time = self.tcfg.max_seconds > 0 and self.elapsed() >= self.tcfg.max_seconds
+        if self.step % self.tcfg.eval_every == 0 or out_of_time:
+            self.check()
+        if out_of_time and not self.stop:
+            self.stop, self.result.stopped = True, "max_seconds"
+        return self.stop
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def check(self) -> None:
+        """Validate now (when a validation function was given) and apply the recipe."""
+        self.checked_at = self.step
+        entry: dict[str, object] = {
+            "step": self.step,
+            "epoch": self.epoch + 1,
+            "lr": self.lr(),
+            "train_loss": float(self.loss_sum) / max(self.loss_n, 1),
+        }
+        self.loss_sum, self.loss_n = 0.0, 0
+        if self.validate_fn is not None:
+            was_training = self.model.training
+            self.model.eval()
+            began = time.perf_counter()
+            metrics = self.validate_fn()
+            self.result.valid_seconds += time.perf_counter() - began
+            self.model.train(was_training)
+            entry["valid"] = metrics
+            score = float(metrics[self.metric])
+            if score > self.best_score:
+                self.best_score, self.bad, self.since_decay = score, 0, 0
+                self.best_state = copy.deepcopy(self.model.state_dict())
+                self.result.best_epoch, self.result.best_step = self.epoch + 1, self.step
+                self.result.best_valid = dict(metrics)
+            else:
+                self.bad += 1
+                self.since_decay += 1
+                if self.tcfg.decay_patience and self.since_decay >= self.tcfg.decay_patience:
+                    self.scale *= self.tcfg.lr_decay
+                    self.since_decay = 0
+            log.info(
+                "step %d (epoch %d): loss %.4f, valid %s %.4f, lr %.2e",
+                self.step, self.epoch + 1, entry["train_loss"], self.metric, score, self.lr(),
+            )  # fmt: skip
+            if self.bad >= self.tcfg.patience:
+                self.stop, self.result.stopped = True, "early_stop"
+        entry["seconds"] = self.elapsed()
+        self.result.history.append(entry)
+
+
 def fit(
     model: nn.Module,
-    run_epoch: EpochFn,
+    run_epoch: Epoch,
     tcfg: TrainConfig,
     validate: ValidateFn | None = None,
     early_stop_metric: str = "ndcg@10",
 ) -> TrainResult:
-    """Epoch loop: train, validate every ``eval_every`` epochs, keep the best weights (by
-    ``early_stop_metric``), stop after ``patience`` validations without improvement or
-    after ``max_seconds``. The model ends holding the best weights."""
+    """Train with the recipe of :class:`TrainControl` for at most ``tcfg.epochs`` passes.
+    The model ends holding the best validated weights (the last ones without ``validate``)."""
     check_train_config(tcfg)
-    result = TrainResult()
-    best_state: dict[str, torch.Tensor] | None = None
-    best_score = -math.inf
-    bad = 0
-    start = time.perf_counter()
+    control = TrainControl(model, run_epoch.optim, tcfg, validate, early_stop_metric)
     for epoch in range(tcfg.epochs):
+        control.epoch = epoch
         model.train()
-        loss = run_epoch(epoch)
-        entry: dict[str, object] = {"epoch": epoch + 1, "train_loss": loss}
-        elapsed = time.perf_counter() - start
-        last = epoch + 1 == tcfg.epochs
-        out_of_time = tcfg.max_seconds > 0 and elapsed >= tcfg.max_seconds
-        if validate is not None and ((epoch + 1) % tcfg.eval_every == 0 or last or out_of_time):
-            model.eval()
-            metrics = validate()
-            entry["valid"] = metrics
-            score = float(metrics[early_stop_metric])
-            log.info(
-                "epoch %d: loss %.4f, valid %s %.4f", epoch + 1, loss, early_stop_metric, score
-            )
-            if score > best_score:
-                best_score, bad = score, 0
-                best_state = copy.deepcopy(model.state_dict())
-                result.best_epoch, result.best_valid = epoch + 1, dict(metrics)
-            else:
-                bad += 1
-        else:
-            log.info("epoch %d: loss %.4f", epoch + 1, loss)
-        entry["seconds"] = time.perf_counter() - start
-        result.history.append(entry)
-        if validate is not None and bad >= tcfg.patience:
-            result.stopped = "early_stop"
+        run_epoch(epoch, control)
+        if control.stop:
             break
-        if out_of_time:
-            result.stopped = "max_seconds"
-            break
-    result.train_seconds = time.perf_counter() - start
-    if best_state is not None:
-        model.load_state_dict(best_state)
+    if control.checked_at != control.step:
+        control.check()  # the steps since the last validation
+    result = control.result
+    result.steps = control.step
+    result.train_seconds = control.elapsed()
+    if control.best_state is not None:
+        model.load_state_dict(control.best_state)
     elif validate is None:
-        result.best_epoch = len(result.history)
+        result.best_epoch, result.best_step = control.epoch + 1, control.step
     model.eval()
     return result
 
@@ -255,9 +361,10 @@ class MemoryEpoch:
     ) -> None:
         self.model, self.seqs, self.tcfg, self.device = model, seqs, tcfg, device
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.batch_size = auto_batch_size(tcfg, int((self.lengths >= 2).sum()))
         self.rng = np.random.default_rng(tcfg.seed)
         self.gen = torch.Generator().manual_seed(tcfg.seed)
-        self.optim = torch.optim.AdamW(
+        self.optim: torch.optim.Optimizer = torch.optim.AdamW(
             model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay
         )
         self.update_mask: ProteusUpdateMask | None = None
@@ -277,32 +384,45 @@ class MemoryEpoch:
             self.sampler = ItemSampler(counts, device)
         model.use_kjt = kjt_available(device)
 
-    def __call__(self, epoch: int) -> float:
-        tcfg = self.tcfg
-        batches = length_batches(self.lengths, tcfg.batch_size, self.rng)
-        total, count = 0.0, 0
+    def __call__(self, epoch: int, control: TrainControl) -> float:
+        batches = length_batches(self.lengths, self.batch_size, self.rng)
+        total, count = torch.zeros(()), 0
         bar = tqdm(batches, desc=f"epoch {epoch + 1}", unit="batch", leave=False)
         for users in bar:
-            loss_sum, n = self._batch(users)
-            total += loss_sum
+            loss_sum, n = self._batch(users, control)
+            total = loss_sum + total
             count += n
-            bar.set_postfix(loss=f"{total / max(count, 1):.4f}")
-        return total / max(count, 1)
+            bar.set_postfix(step=control.step)
+            if control.stop:
+                break
+        return float(total) / max(count, 1)
 
-    def _batch(self, users: np.ndarray) -> tuple[float, int]:
+    def _batch(self, users: np.ndarray, control: TrainControl) -> tuple[torch.Tensor, int]:
+        """Train on one batch of users, segment by segment; (summed loss, targets). The
+        targets are chosen on the host, so no step waits for the device."""
         model, tcfg, device = self.model, self.tcfg, self.device
         lengths = self.lengths[users]
-        items, actions, ts, lens = padded_batch(self.seqs, users, lengths, device)
+        host = padded_batch(self.seqs, users, lengths, "cpu")
+        items, actions, ts, lens = (to_device(x, device) for x in host)
         # Inputs are events 0 .. len-2; the target of input t is item t + 1.
         in_len = lens - 1
         targets = torch.cat([items[:, 1:], items.new_zeros(len(users), 1)], dim=1)
         # the question about input t is asked at the time of event t + 1
         request_ts = torch.cat([ts[:, 1:], ts[:, -1:]], dim=1)
-        T = int(in_len.max())
+        in_len_np = lengths - 1
+        targets_np = np.concatenate(
+            [host[0].numpy()[:, 1:], np.zeros((len(users), 1), np.int64)], axis=1
+        )
+        T = int(in_len_np.max())
         state = model.init_state(len(users), device)
-        loss_sum, n_total = 0.0, 0
+        loss_sum, n_total = torch.zeros((), device=device), 0
         for s in range(0, T, tcfg.segment_len):
             e = min(s + tcfg.segment_len, T)
+            seg_np = np.clip(in_len_np - s, 0, e - s)
+            mask_np = (np.arange(e - s)[None, :] < seg_np[:, None]) & (
+                targets_np[:, s:e] < model.n_items
+            )
+            n = int(mask_np.sum())
             seg_len = torch.clamp(in_len - s, min=0, max=e - s)
             res = model.advance(
                 items[:, s:e], actions[:, s:e], ts[:, s:e], seg_len, state,
@@ -310,29 +430,37 @@ class MemoryEpoch:
             )  # fmt: skip
             assert res.user is not None
             state = res.state.detach()
-            cols = torch.arange(e - s, device=device)[None, :]
-            tgt = targets[:, s:e]
-            mask = (cols < seg_len[:, None]) & (tgt < model.n_items)
-            n = int(mask.sum())
             if n == 0:
-                continue
+                continue  # nothing to learn in this segment; the state still moves on
+            flat = to_device(torch.from_numpy(np.flatnonzero(mask_np)), device)
+            user_vecs = res.user.reshape(-1, res.user.shape[-1]).index_select(0, flat)
+            tgt = targets[:, s:e].reshape(-1).index_select(0, flat)
             negatives = None
             if self.sampler is not None:
                 negatives = self.sampler.sample(tcfg.n_negatives, self.gen)
-            loss = next_item_loss(
-                res.user[mask], tgt[mask], model.item_weight(), self.sampler, negatives
-            )
+            loss = next_item_loss(user_vecs, tgt, model.item_weight(), self.sampler, negatives)
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            control.before_step()
             if self.update_mask is not None:
                 self.update_mask.before_step()
             self.optim.step()
             if self.update_mask is not None:
                 self.update_mask.after_step()
-            loss_sum += float(loss.detach()) * n
+            step_loss = loss.detach()
+            loss_sum = loss_sum + step_loss * n
             n_total += n
+            if control.after_step(step_loss, n):
+                break
         return loss_sum, n_total
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` (on the host) on ``device``; to a GPU through pinned memory without waiting."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def train_memory_model(

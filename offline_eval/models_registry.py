@@ -38,8 +38,12 @@ def _describe(kind: str, cfg: Config, result: TrainResult) -> dict[str, Any]:
         "train": dataclasses.asdict(cfg.train),
         "model": dataclasses.asdict(cfg.model),
         "best_epoch": result.best_epoch,
+        "best_step": result.best_step,
+        "steps": result.steps,
         "best_valid": result.best_valid,
         "stopped": result.stopped,
+        "valid_seconds": result.valid_seconds,
+        "train_targets_per_s": result.targets_per_second(),
         "history": result.history,
     }
     if kind == "memory":

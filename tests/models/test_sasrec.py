@@ -64,7 +64,7 @@ def test_user_vectors_use_last_window_only() -> None:
 def test_training_lowers_loss() -> None:
     model = small(max_len=10)
     seqs = cyclic_seqs(n_users=16, n_items=N_ITEMS, max_len=24)
-    tcfg = TrainConfig(epochs=4, batch_size=8, lr=5e-3, device="cpu")
+    tcfg = TrainConfig(epochs=4, batch_size=8, lr=5e-3, device="cpu", warmup_steps=0, eval_every=2)
     result = train_sasrec(model, seqs, tcfg)
     losses = [float(h["train_loss"]) for h in result.history]  # type: ignore[arg-type]
     assert losses[-1] < losses[0] - 0.05

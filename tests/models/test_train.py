@@ -11,6 +11,8 @@ from models.recommender import MemoryRecommender
 from models.train import (
     ItemSampler,
     ProteusUpdateMask,
+    TrainControl,
+    auto_batch_size,
     fit,
     length_batches,
     next_item_loss,
@@ -35,6 +37,8 @@ def tiny_config(**train: object) -> Config:
     cfg.train.batch_size = 8
     cfg.train.segment_len = 8
     cfg.train.lr = 1e-2
+    cfg.train.warmup_steps = 0
+    cfg.train.eval_every = 2
     cfg.train.device = "cpu"
     for k, v in train.items():
         setattr(cfg.train, k, v)
@@ -52,7 +56,7 @@ def test_loss_falls(loss: str) -> None:
     seqs = cyclic_seqs(n_users=16, n_items=N_ITEMS, max_len=24)
     result = train_memory_model(make_model(cfg), seqs, cfg.train)
     losses = [float(h["train_loss"]) for h in result.history]  # type: ignore[arg-type]
-    assert len(losses) == 4
+    assert len(losses) >= 4
     assert losses[-1] < losses[0] - 0.05
 
 
@@ -82,23 +86,62 @@ def test_prefix_lengths_limit_training_events() -> None:
         assert torch.equal(pa, pb)
 
 
-def test_fit_keeps_best_weights_and_stops_early() -> None:
-    model = torch.nn.Linear(2, 1)
-    scores = iter([0.1, 0.5, 0.3, 0.2, 0.9])
-    snapshots: list[torch.Tensor] = []
+class StepEpoch:
+    """A stand-in pass of ``steps`` optimizer steps that moves one weight by 1 per step."""
 
-    def epoch(i: int) -> float:
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        snapshots.append(model.weight.detach().clone())
-        return 1.0 / (i + 1)
+    def __init__(self, model: torch.nn.Linear, steps: int) -> None:
+        self.model, self.steps = model, steps
+        self.optim: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        self.lrs: list[float] = []
 
-    tcfg = TrainConfig(epochs=5, patience=2)
+    def __call__(self, epoch: int, control: TrainControl) -> float:
+        for _ in range(self.steps):
+            control.before_step()
+            self.lrs.append(self.optim.param_groups[0]["lr"])
+            with torch.no_grad():
+                self.model.weight.add_(1.0)
+            if control.after_step(1.0, 1):
+                break
+        return 1.0
+
+
+def test_fit_counts_validations_not_epochs() -> None:
+    """Validation every 3 steps across pass boundaries; the best weights come back; the rate
+    warms up, decays after 2 validations without improvement and training stops after 3."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    scores = iter([0.1, 0.5, 0.3, 0.2, 0.4, 0.9])
+    epoch = StepEpoch(model, steps=2)
+    tcfg = TrainConfig(epochs=50, eval_every=3, patience=3, decay_patience=2, lr_decay=0.5,
+                       warmup_steps=4, lr=1.0)  # fmt: skip
     result = fit(model, epoch, tcfg, lambda: {"ndcg@10": next(scores)})
     assert result.stopped == "early_stop"
-    assert len(result.history) == 4
-    assert result.best_epoch == 2 and result.best_valid == {"ndcg@10": 0.5}
-    assert torch.equal(model.weight, snapshots[1])
+    assert [e["step"] for e in result.history] == [3, 6, 9, 12, 15]
+    assert result.best_step == 6 and result.best_epoch == 3
+    assert result.best_valid == {"ndcg@10": 0.5} and result.steps == 15
+    assert torch.equal(model.weight, torch.full((1, 2), 6.0))  # the weights after step 6
+    assert epoch.lrs[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert epoch.lrs[11] == 1.0 and epoch.lrs[12] == 0.5  # decayed at validation 4 (step 12)
+
+
+def test_fit_validates_the_last_steps_once() -> None:
+    model = torch.nn.Linear(2, 1, bias=False)
+    calls = []
+    tcfg = TrainConfig(epochs=2, eval_every=4, patience=5, warmup_steps=0)
+    result = fit(
+        model, StepEpoch(model, steps=3), tcfg, lambda: calls.append(1) or {"ndcg@10": len(calls)}
+    )
+    assert [e["step"] for e in result.history] == [4, 6] and result.stopped == "epochs"
+    assert result.best_step == 6
+
+
+def test_auto_batch_size_follows_the_dataset() -> None:
+    assert auto_batch_size(TrainConfig(batch_size=0), 943) == 19
+    assert auto_batch_size(TrainConfig(batch_size=0), 6040) == 125
+    assert auto_batch_size(TrainConfig(batch_size=0), 100) == 16
+    assert auto_batch_size(TrainConfig(batch_size=0), 10**6) == 128
+    assert auto_batch_size(TrainConfig(batch_size=7), 10**6) == 7
 
 
 def test_length_batches_cover_trainable_users_once() -> None:
