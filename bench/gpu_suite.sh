@@ -9,6 +9,7 @@
 # .gpu/data/D-split.npz) and .gpu/src (git archive HEAD | tar -x -C .gpu/src). Set GIT_COMMIT.
 #
 # Plans (every run passes only the seed; the recipe is the default):
+#   smoke   ML-1M, SASRec and two memory heads for MAX_S (120) seconds each
 #   sweep   head variants (hybrid x request time) and SASRec on every split, seed 0
 #   final   the suite comparison, 3 seeds on ML-1M and ML-100K, the bytes curve on ML-1M
 set -u
@@ -29,6 +30,11 @@ plan_sweep() {
   for d in $SWEEP_SETS; do
     run_eval "sweep-$d" "$d" 7 "pop,$heads" "${cap[@]}"
   done
+}
+
+plan_smoke() {  # the CUDA paths and training speed, before a long plan
+  run_eval smoke-ml-1m ml-1m 3 'sasrec,memory-proteus[model.hybrid=mac;model.request_time=gap_clock],memory-proteus[model.hybrid=none;model.request_time=none]' \
+    --set train.max_seconds="${MAX_S:-120}"
 }
 
 plan_final() {

@@ -113,30 +113,32 @@ class WindowAttention(nn.Module):
         tokens: torch.Tensor,
         token_ts: torch.Tensor,
         token_ok: torch.Tensor,
-        qidx: torch.Tensor,
+        first: int,
         request_ts: torch.Tensor,
         memory: torch.Tensor | None,
     ) -> torch.Tensor:
-        """query [B, T, D]; tokens [B, N, D] with token_ts, token_ok [B, N]; qidx [T] the
-        token index of each query's own event (query t sees tokens qidx[t] - W + 1 ..
-        qidx[t]); request_ts [B, T]; memory [B, T, D] (MAC) -> [B, T, D]."""
+        """query [B, T, D]; tokens [B, N, D] with token_ts, token_ok [B, N]; query t's own
+        event is token ``first + t`` (it sees tokens first + t - W + 1 .. first + t);
+        request_ts [B, T]; memory [B, T, D] (MAC) -> [B, T, D]."""
         B, T, D = query.shape
         W = self.W
-        out = query.new_zeros(B, T, D)
+        blocks = []
         for t0 in range(0, T, QUERY_BLOCK):
             t1 = min(T, t0 + QUERY_BLOCK)
-            lo = max(0, int(qidx[t0]) - W + 1)
-            hi = int(qidx[t1 - 1]) + 1
-            out[:, t0:t1] = self._block(
-                query[:, t0:t1],
-                tokens[:, lo:hi],
-                token_ts[:, lo:hi],
-                token_ok[:, lo:hi],
-                qidx[t0:t1] - lo,
-                request_ts[:, t0:t1],
-                None if memory is None else memory[:, t0:t1],
+            lo = max(0, first + t0 - W + 1)
+            hi = first + t1
+            blocks.append(
+                self._block(
+                    query[:, t0:t1],
+                    tokens[:, lo:hi],
+                    token_ts[:, lo:hi],
+                    token_ok[:, lo:hi],
+                    first + t0 - lo,
+                    request_ts[:, t0:t1],
+                    None if memory is None else memory[:, t0:t1],
+                )
             )
-        return out
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
     def _block(
         self,
@@ -144,7 +146,7 @@ class WindowAttention(nn.Module):
         tokens: torch.Tensor,
         token_ts: torch.Tensor,
         token_ok: torch.Tensor,
-        qidx: torch.Tensor,
+        first: int,
         request_ts: torch.Tensor,
         memory: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -154,13 +156,15 @@ class WindowAttention(nn.Module):
         q = self.q(query).view(B, T, H, dh).transpose(1, 2)  # [B, H, T, dh]
         k, v = self.kv(tokens).view(B, N, 2, H, dh).permute(2, 0, 3, 1, 4)  # [B, H, N, dh]
         logits = q @ k.transpose(-1, -2) / math.sqrt(dh)  # [B, H, T, N]
-        dist = qidx[:, None] - torch.arange(N, device=qidx.device)[None, :]  # [T, N]
-        band = (dist >= 0) & (dist < self.W)
-        bias = self.pos_bias[dist.clamp(0, self.W - 1)].permute(2, 0, 1)  # [H, T, N]
-        logits = logits + bias[None]
+        dev = query.device
+        dist = (first + torch.arange(T, device=dev))[:, None] - torch.arange(N, device=dev)[None]
+        band = (dist >= 0) & (dist < self.W)  # [T, N]
+        # F.embedding, not indexing: its backward sums the many repeats of a few rows fast
+        bias = F.embedding(dist.clamp(0, self.W - 1), self.pos_bias).permute(2, 0, 1)
+        logits = logits + bias[None]  # [H, T, N] per-head relative-position bias
         if self.age_bias is not None:
             age = request_gap_buckets(request_ts[:, :, None], token_ts[:, None, :])  # [B, T, N]
-            logits = logits + self.age_bias[age].permute(0, 3, 1, 2)
+            logits = logits + F.embedding(age, self.age_bias).permute(0, 3, 1, 2)
         ok = band[None] & token_ok[:, None, :]  # [B, T, N]
         logits = logits.masked_fill(~ok[:, None], -torch.inf)
         if self.mem_kv is not None and memory is not None and self.mem_bias is not None:
@@ -217,22 +221,23 @@ class ReadHead(nn.Module):
         tokens: torch.Tensor | None = None,
         token_ts: torch.Tensor | None = None,
         token_ok: torch.Tensor | None = None,
-        qidx: torch.Tensor | None = None,
+        first: int = 0,
     ) -> torch.Tensor:
         """mem [B, T, D] the memory read-out after each query's event; last_ts [B, T] that
         event's time; request_ts [B, T]; with a hybrid, the window's tokens [B, N, D], their
-        times and validity [B, N] and each query's own token index qidx [T]. -> [B, T, D]."""
+        times and validity [B, N] and the token index ``first`` of query 0's own event (the
+        queries' events are consecutive tokens). -> [B, T, D]."""
         tau = None if self.time is None else self.time(request_ts, last_ts)
         z = mem
         if self.attn is not None:
             assert tokens is not None and token_ts is not None
-            assert token_ok is not None and qidx is not None
+            assert token_ok is not None
             if self.mode == "mac":
                 base = mem
             else:
-                base = tokens[:, qidx]
+                base = tokens[:, first : first + mem.shape[1]]
             qin = self.query_norm(base if tau is None else base + tau)
-            a = self.attn(qin, tokens, token_ts, token_ok, qidx, request_ts,
+            a = self.attn(qin, tokens, token_ts, token_ok, first, request_ts,
                           mem if self.mode == "mac" else None)  # fmt: skip
             a = self.dropout(a)
             if self.mode == "mac":

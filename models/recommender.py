@@ -304,9 +304,7 @@ class MemoryRecommender(nn.Module):
         tokens = torch.cat([old, new_tokens], dim=1)
         token_ts = torch.cat([state.win_ts, new_ts], dim=1)
         token_ok = torch.cat([old_ok, new_ok], dim=1)
-        T = mem.shape[1]
-        qidx = state.window + torch.arange(T, device=mem.device)
-        return self.head(mem, last_ts, request_ts, tokens, token_ts, token_ok, qidx)
+        return self.head(mem, last_ts, request_ts, tokens, token_ts, token_ok, state.window)
 
     def _shift_window(
         self,
@@ -372,8 +370,7 @@ class MemoryRecommender(nn.Module):
         if self.head.window == 0:
             return self.head(m, last, req)[:, 0]
         tokens, ok = self._window_tokens(state)
-        qidx = torch.full((1,), state.window - 1, dtype=torch.int64, device=m.device)
-        return self.head(m, last, req, tokens, state.win_ts, ok, qidx)[:, 0]
+        return self.head(m, last, req, tokens, state.win_ts, ok, state.window - 1)[:, 0]
 
     def _event_inputs(
         self,
