@@ -92,8 +92,8 @@ def plot_by_position(path: Path, by_position: dict[str, dict[str, dict[str, Any]
 
 
 def memory_grid(models: dict[str, Any]) -> list[tuple[str, int, int, dict[str, Any]]]:
-    """(name, E, N, entry) of the available memory models, sorted by (N, E), when they span
-    at least three (E, N) settings (an ablation); else empty."""
+    """(name, E, N, entry) of the available memory models, sorted by (N, E, name), when they
+    span at least three (E, N) settings (an ablation); else empty."""
     rows = []
     for name, e in models.items():
         mem = e.get("config", {}).get("memory")
@@ -106,11 +106,23 @@ def memory_grid(models: dict[str, Any]) -> list[tuple[str, int, int, dict[str, A
             rows.append((name, int(mem["n_blocks"]), int(mem["horizon"]), e))
     if len({(E, N) for _, E, N, _ in rows}) < 3:
         return []
-    return sorted(rows, key=lambda r: (r[2], r[1]))
+    return sorted(rows, key=lambda r: (r[2], r[1], r[0]))
+
+
+def _other_overrides(entry: dict[str, Any]) -> str:
+    """The entry's overrides other than E and N (one ablation line per distinct value)."""
+    grid_keys = ("memory.n_blocks", "memory.horizon")
+    others = [
+        o
+        for o in entry.get("config", {}).get("overrides", [])
+        if o.partition("=")[0].strip() not in grid_keys
+    ]
+    return "; ".join(others)
 
 
 def plot_ablation(path: Path, grid: list[tuple[str, int, int, dict[str, Any]]]) -> bool:
-    """TEST NDCG@10 (overall, solid; LONG-TERM, dashed) against E, one colour per N."""
+    """TEST NDCG@10 (overall, solid; LONG-TERM, dashed) against E, one colour per N and per
+    set of other overrides (e.g. a learning rate), so any mix of models plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,23 +130,27 @@ def plot_ablation(path: Path, grid: list[tuple[str, int, int, dict[str, Any]]]) 
 
     if not grid:
         return False
+    lines: dict[tuple[int, str], list[tuple[int, dict[str, Any]]]] = {}
+    for _, E, N, e in grid:
+        lines.setdefault((N, _other_overrides(e)), []).append((E, e))
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for N in sorted({r[2] for r in grid}):
-        pts = sorted((E, e) for _, E, n, e in grid if n == N)
+    for (N, others), pts in sorted(lines.items()):
+        pts.sort(key=lambda p: p[0])
         xs = [E for E, _ in pts]
-        line = ax.plot(xs, [e["overall"]["ndcg@10"] for _, e in pts], marker="o", label=f"N={N}")
+        label = f"N={N}" + (f" {others}" if others else "")
+        line = ax.plot(xs, [e["overall"]["ndcg@10"] for _, e in pts], marker="o", label=label)
         ax.plot(
             xs,
             [e["long_term"]["ndcg@10"] for _, e in pts],
             marker="s",
             linestyle="--",
             color=line[0].get_color(),
-            label=f"N={N} LONG-TERM",
+            label=f"{label} LONG-TERM",
         )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("E (Proteus blocks; E = 1 is the static memory)")
     ax.set_ylabel("TEST NDCG@10")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
