@@ -2,32 +2,26 @@
 on the TEST targets, and write ``summary.json`` (issue 3 schema), ``by_position.json``, ``planted.json``
 (synthetic data: metrics on targets whose answer is known) and ``report.md`` with PNG plots.
 
-Models come from a registry, name -> factory(split, cfg) -> (Scorer, train_seconds, config).
-This module registers "pop"; model modules register theirs by calling :func:`register_model`
-from ``offline_eval/models_registry.py``, which is imported (if present) the first time the
-registry is consulted. A model that is requested but cannot run is reported as not
-available with a reason, never dropped.
+Models come from offline_eval.models_registry. A model that is requested but cannot run is
+reported as not available with a reason, never dropped.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from offline_eval.baselines import make_pop
-from offline_eval.evaluate import Scorer, evaluate
+from offline_eval.evaluate import evaluate
 from offline_eval.jobs import run_parallel, training_groups
 from offline_eval.metrics import METRIC_KEYS, metrics_from_ranks
+from offline_eval.models_registry import DEFAULT_MODELS, available_models, model_factory
 from offline_eval.split import TimeSplit, load_or_build_split
 from offline_eval.strata import STRATA, position_bucket_labels, position_buckets
 
@@ -36,47 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ModelFactory = Callable[["TimeSplit", "Config"], tuple[Scorer, float, dict[str, Any]]]
-
-DEFAULT_MODELS = ("pop", "sasrec", "memory-static", "memory-proteus", "memory-proteus-notebank")
-
-_REGISTRY: dict[str, ModelFactory] = {"pop": make_pop}
-_UNAVAILABLE: dict[str, str] = {}
-_plugins_loaded = False
-_plugin_errors: list[str] = []
-
-
-def register_model(name: str, factory: ModelFactory) -> None:
-    """Make ``name`` available to ``recmem eval --models``."""
-    _REGISTRY[name] = factory
-    _UNAVAILABLE.pop(name, None)
-
-
-def register_unavailable(name: str, reason: str) -> None:
-    """Declare a model that is known but cannot run now; it is listed with ``reason``."""
-    if name not in _REGISTRY:
-        _UNAVAILABLE[name] = reason
-
-
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    if importlib.util.find_spec("offline_eval.models_registry") is not None:
-        try:
-            importlib.import_module("offline_eval.models_registry")
-        except ImportError as e:
-            _plugin_errors.append(f"offline_eval.models_registry failed to import: {e}")
-            log.error("%s", _plugin_errors[-1])
-
-
-def available_models() -> dict[str, str]:
-    """name -> "" when runnable, else the reason it is not available."""
-    _load_plugins()
-    out = {name: "" for name in _REGISTRY}
-    out.update(_UNAVAILABLE)
-    return out
+__all__ = ["DEFAULT_MODELS", "parse_models", "prepare_split", "report_from_runs", "run_eval"]
 
 
 def split_model_spec(spec: str) -> tuple[str, list[str]]:
@@ -112,8 +66,7 @@ def parse_models(spec: str, *, check_known: bool = True) -> list[str]:
     known = available_models()
     unknown = [m for m in names if split_model_spec(m)[0] not in known]
     if unknown:
-        hint = f" ({'; '.join(_plugin_errors)})" if _plugin_errors else ""
-        raise ValueError(f"unknown model(s) {unknown}; known: {sorted(known)}{hint}")
+        raise ValueError(f"unknown model(s) {unknown}; known: {sorted(known)}")
     if not names:
         raise ValueError("no models given")
     return names
@@ -203,7 +156,7 @@ def _evaluate_spec(
     """Fit one model spec on TRAIN and evaluate it on TEST (in this process)."""
     log.info("model %s: fitting on TRAIN", spec)
     t0 = time.perf_counter()
-    scorer, train_seconds, model_cfg = _REGISTRY[name](split, model_config(cfg, overrides))
+    scorer, train_seconds, model_cfg = model_factory(name)(split, model_config(cfg, overrides))
     if train_seconds is None:
         train_seconds = time.perf_counter() - t0
     res = evaluate(scorer, split, "test", cfg.eval, return_per_target=True)

@@ -1,12 +1,17 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from offline_eval import runner
+from offline_eval import models_registry, runner
+from offline_eval.baselines import make_pop
 from offline_eval.split import TimeSplit, load_or_build_split, split_cache_path
 from recmem.cli import main
 from recmem.config import Config, load_config
@@ -17,8 +22,8 @@ SET = ["--set", "data.synthetic_users=60", "--set", "data.synthetic_events=4000"
 def test_eval_cli_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
     cache = ["--set", f"data.cache_dir={tmp_path / 'cache'}"]
-    runner.available_models()  # plugins first, then a known model that cannot run
-    monkeypatch.setitem(runner._UNAVAILABLE, "not-yet-model", "not built yet")
+    not_yet = models_registry.RegisteredModel(None, reason="not built yet")
+    monkeypatch.setitem(models_registry._MODELS, "not-yet-model", not_yet)
     argv = ["eval", "--dataset", "synthetic", "--models", "pop,not-yet-model"]
     assert main([*argv, "--out", str(out), *SET, *cache]) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -72,15 +77,15 @@ def test_register_model_and_split_cache(tmp_path: Path) -> None:
 
     def factory(s: TimeSplit, c: object) -> tuple[object, float, dict[str, object]]:
         calls.append(s.dataset)
-        return runner.make_pop(s, c)[0], 1.5, {"kind": "pop-again"}
+        return make_pop(s, c)[0], 1.5, {"kind": "pop-again"}
 
-    runner.register_model("pop-again", factory)
+    models_registry.register_model("pop-again", factory)
     try:
         summary = runner.run_eval(
             cfg, "synthetic", ["pop-again"], tmp_path / "o", write_report=False
         )
     finally:
-        runner._REGISTRY.pop("pop-again")
+        models_registry._MODELS.pop("pop-again")
     assert calls == ["synthetic"]
     assert summary["models"]["pop-again"]["train_seconds"] == 1.5
 
@@ -107,15 +112,15 @@ def test_model_spec_overrides(tmp_path: Path) -> None:
 
     def factory(s: TimeSplit, c: Config) -> tuple[object, float, dict[str, object]]:
         seen.append(c.memory.n_blocks)
-        return runner.make_pop(s, c)[0], 0.0, {"kind": "probe"}
+        return make_pop(s, c)[0], 0.0, {"kind": "probe"}
 
-    runner.register_model("probe", factory)
+    models_registry.register_model("probe", factory)
     try:
         cfg = load_config(None, [*(s for s in SET if s != "--set"), f"data.cache_dir={tmp_path}"])
         models = runner.parse_models("probe[memory.n_blocks=2],probe[memory.n_blocks=8]")
         summary = runner.run_eval(cfg, "synthetic", models, tmp_path / "o")
     finally:
-        runner._REGISTRY.pop("probe")
+        models_registry._MODELS.pop("probe")
     report = (tmp_path / "o" / "report.md").read_text()
     assert "## Ablation" in report and "| probe | memory.n_blocks=8 |" in report
     assert seen == [2, 8]
@@ -151,3 +156,52 @@ def test_prepare_split_then_eval_from_it(tmp_path: Path) -> None:
     assert main(["eval", "--split", str(path), "--models", "pop", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["split"]["n_events"] == 4000
     assert main(["eval", "--split", str(path), "--models", "pop"]) == 2  # --out missing
+
+
+def test_a_missing_package_names_itself_and_spares_the_other_models(tmp_path: Path) -> None:
+    # a fresh interpreter in which `import faiss` fails, as on a machine without it
+    script = textwrap.dedent(
+        f"""
+        import importlib.abc, json, sys
+
+        class NoFaiss(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.partition(".")[0] == "faiss":
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                return None
+
+        sys.meta_path.insert(0, NoFaiss())
+        from offline_eval.runner import parse_models
+        from offline_eval.models_registry import available_models
+        from recmem.cli import main
+
+        print(json.dumps(available_models()))
+        parse_models("pop,sasrec,memory-proteus-notebank")  # known, though not runnable
+        sys.exit(main(["eval", "--dataset", "synthetic", "--models",
+                       "pop,memory-proteus-notebank", "--out", {str(tmp_path / "o")!r},
+                       "--set", "data.synthetic_users=60", "--set", "data.synthetic_events=4000",
+                       "--set", "data.cache_dir={tmp_path / "cache"}"]))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    known = json.loads(done.stdout.splitlines()[0])
+    reason = "memory-proteus-notebank needs faiss (pip install faiss-cpu)"
+    assert known["memory-proteus-notebank"] == reason
+    assert all(known[m] == "" for m in ("pop", "sasrec", "memory-static", "memory-proteus"))
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["models"]["pop"]["overall"]["n"] > 0
+    assert summary["models"]["memory-proteus-notebank"]["config"]["reason"] == reason
+    assert reason in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_missing_package_reason() -> None:
+    err = ModuleNotFoundError("No module named 'grpc_health.v1'", name="grpc_health.v1")
+    assert models_registry.missing_package_reason("m", err) == (
+        "m needs grpc_health.v1 (pip install grpcio-health-checking)"
+    )
+    own = ModuleNotFoundError("No module named 'recmem.nosuch'", name="recmem.nosuch")
+    assert "cannot be imported" in models_registry.missing_package_reason("m", own)
