@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from offline_eval.metrics import METRIC_KEYS
+from offline_eval.results import GROUPS, available, is_memory_model
 from offline_eval.strata import STRATA, position_bucket_labels
 
 if TYPE_CHECKING:
@@ -33,17 +34,13 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return lines
 
 
-def _available(entry: dict[str, Any]) -> bool:
-    return entry.get("config", {}).get("available", True) is not False
-
-
 def plot_strata(path: Path, models: dict[str, Any], metric: str = "ndcg@10") -> bool:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [m for m, e in models.items() if _available(e)]
+    names = [m for m, e in models.items() if available(e)]
     groups = ["overall", *[s for s in STRATA if any(models[m][s]["n"] for m in names)]]
     if not names:
         return False
@@ -98,7 +95,7 @@ def memory_grid(models: dict[str, Any]) -> list[tuple[str, int, int, dict[str, A
     for name, e in models.items():
         mem = e.get("config", {}).get("memory")
         if (
-            _available(e)
+            available(e)
             and isinstance(mem, dict)
             and "n_blocks" in mem
             and "notebank" not in e["config"]
@@ -163,6 +160,75 @@ def _save(fig: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+GROUP_TITLES = {"overall": "overall", "long_term": "LONG-TERM", GROUPS[2]: f"position {GROUPS[2]}"}
+
+
+def _seed_lines(models: dict[str, Any]) -> list[str]:
+    """Mean, std and range over seeds of TEST NDCG@10 (models run with several seeds)."""
+    seeded = {m: e for m, e in models.items() if available(e) and e.get("spread")}
+    if not seeded:
+        return []
+    lines = ["", "## Seeds: TEST NDCG@10 mean ± std (min-max)", ""]
+    rows = []
+    for name, e in seeded.items():
+        cells = []
+        for g in GROUPS:
+            sp = e["spread"][g]
+            cells.append(
+                "–"
+                if sp["mean"] is None
+                else f"{sp['mean']:.4f} ± {sp['std']:.4f} ({sp['min']:.4f}-{sp['max']:.4f})"
+            )
+        rows.append([name, ", ".join(str(x) for x in e["seeds"]), *cells])
+    lines += _table(["model", "seeds", *[GROUP_TITLES[g] for g in GROUPS]], rows)
+    lines += [
+        "",
+        "std is the sample standard deviation over seeds; the other tables show the means; "
+        "summary.json keeps each seed's numbers (`per_seed`).",
+    ]
+    return lines
+
+
+def _interval(r: dict[str, Any]) -> str:
+    if r["diff"] is None:
+        return "– (n = 0)"
+    return f"{r['diff']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}]"
+
+
+def _interval_lines(iv: dict[str, Any], models: dict[str, Any]) -> list[str]:
+    """Each model's NDCG@10 minus the best baseline's, with its paired bootstrap interval."""
+    pct = round(100 * iv["confidence"])
+    lines = ["", f"## NDCG@10 minus the best baseline's, paired bootstrap {pct}% interval (TEST)"]
+    lines += [""]
+    if iv.get("note"):
+        return lines + [f"No intervals: {iv['note']}."]
+    base = iv["baseline"]
+    baselines = [m for m, e in models.items() if available(e) and not is_memory_model(e)]
+    seeds = models[base].get("seeds", [])
+    lines += [
+        f"Baseline: **{base}**, the best TEST NDCG@10 among the models that are not memory models "
+        f"({', '.join(baselines)}). For each model, each target's NDCG@10 minus the baseline's on "
+        f"the same target (a model with several seeds enters with each target's NDCG@10 averaged "
+        f"over its seeds{'; so does the baseline' if len(seeds) > 1 else ''}); the targets are "
+        f"resampled with replacement {iv['resamples']} times (seed {iv['seed']}), the same "
+        f"resampled targets for both models, and the interval runs from the "
+        f"{(100 - pct) / 2:g}th to the {100 - (100 - pct) / 2:g}th percentile of the resampled "
+        f"mean differences. Above 0: better than the baseline on these targets. Targets are "
+        f"resampled one by one, not by user, so the interval leaves out the correlation "
+        f"between one user's targets.",
+        "",
+    ]
+    first = next(iter(iv["models"].values()), None)
+    header = ["model"] + [
+        f"{GROUP_TITLES[g]} (n = {first[g]['n']})" if first else GROUP_TITLES[g] for g in GROUPS
+    ]
+    rows = [[name, *[_interval(r[g]) for g in GROUPS]] for name, r in iv["models"].items()]
+    lines += _table(header, rows)
+    if iv.get("no_ranks"):
+        lines += ["", "Without saved ranks (no interval): " + ", ".join(iv["no_ranks"]) + "."]
+    return lines
+
+
 def render_report(
     summary: dict[str, Any],
     by_position: dict[str, dict[str, dict[str, Any]]],
@@ -196,22 +262,29 @@ def render_report(
     rows = []
     for name, e in models.items():
         o = e["overall"]
-        status = "" if _available(e) else f"not available: {e['config'].get('reason', '')}"
+        status = "" if available(e) else f"not available: {e['config'].get('reason', '')}"
+        if len(e.get("seeds", [])) > 1:
+            status = "mean of seeds " + ", ".join(str(x) for x in e["seeds"])
+        if e.get("failed_seeds"):
+            status += "; failed: seed " + ", ".join(e["failed_seeds"])
         rows.append(
             [name, *[o[k] for k in METRIC_KEYS], o["n"], e["train_seconds"], e["eval_seconds"]]
             + [status]
         )
     lines += _table(["model", *METRIC_KEYS, "n", "train s", "eval s", "note"], rows)
+    lines += _seed_lines(models)
+    if summary.get("intervals"):
+        lines += _interval_lines(summary["intervals"], models)
     for metric in ("ndcg@10", "hr@10"):
         lines += ["", f"## {metric} by stratum (TEST)", ""]
         header = ["model"] + [f"{STRATUM_TITLES[s]} (n)" for s in STRATA]
         rows = []
         for name, e in models.items():
-            if _available(e):
+            if available(e):
                 rows.append([name] + [f"{_fmt(e[s][metric])} ({e[s]['n']})" for s in STRATA])
         lines += _table(header, rows)
     ablation = [
-        (name, e) for name, e in models.items() if _available(e) and e["config"].get("overrides")
+        (name, e) for name, e in models.items() if available(e) and e["config"].get("overrides")
     ]
     if ablation:
         lines += ["", "## Ablation (models run with configuration overrides; TEST NDCG@10)", ""]

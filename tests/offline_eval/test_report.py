@@ -79,3 +79,7 @@ def test_report_for_a_mix_of_models_and_overrides(tmp_path: Path) -> None:
     report = (out / "report.md").read_text()
     assert "## Proteus ablation" in report and "## Ablation" in report
     assert (out / "ablation_ndcg10.png").stat().st_size > 0
+    # sasrec is the only baseline; every memory model is compared with it
+    assert summary["intervals"]["baseline"] == "sasrec"
+    assert len(summary["intervals"]["models"]) == 4
+    assert len(list((out / "ranks").iterdir())) == 5
