@@ -1,16 +1,14 @@
 """Parallel and combined evaluation runs for ``recmem eval``.
 
-``run_parallel``: the requested models are split into training groups (specs that share one
-training, such as ``memory-proteus`` and ``memory-proteus-notebank`` with the same settings,
-stay together); each group runs as its own ``run_eval`` in a spawned worker process, at most
-``jobs`` at a time, each worker pinned to one GPU (``CUDA_VISIBLE_DEVICES``, the GPUs
-shared round-robin by the running workers) or, without a GPU, to its share of the CPU
-threads. The workers write their parts under ``OUT/jobs/<i>/`` (summary.json, by_position.json,
-planted.json, log.txt); the parent merges them in the requested order. Small models are
-launch-bound on a GPU, so several trainings on one GPU run nearly as fast as one.
-
-``combine_runs``: summaries of earlier runs on the same split merged into one (e.g. an
-ablation whose models were trained in separate sessions); the split counts must agree.
+``run_parallel``: the requested models are split, per seed, into training groups (specs that
+share one training, such as ``memory-proteus`` and ``memory-proteus-notebank`` with the same
+settings, stay together); each (seed, group) runs as its own ``run_eval`` with that
+``train.seed`` in a spawned worker process, at most ``jobs`` at a time, each worker pinned to
+one GPU (``CUDA_VISIBLE_DEVICES``, the GPUs shared round-robin by the running workers) or,
+without a GPU, to its share of the CPU threads. The workers write their parts under
+``OUT/jobs/<i>/`` (summary.json, by_position.json, planted.json, ranks/, log.txt); the parent
+moves the ranks files into ``OUT/ranks`` and merges the rest in the requested order. Small
+models are launch-bound on a GPU, so several trainings on one GPU run nearly as fast as one.
 """
 
 from __future__ import annotations
@@ -61,7 +59,13 @@ def _gpu_count() -> int:
 
 
 def _worker(
-    cfg: Config, dataset: str, specs: list[str], out: str, split_path: str, threads: int
+    cfg: Config,
+    dataset: str,
+    specs: list[str],
+    seed: int | None,
+    out: str,
+    split_path: str,
+    threads: int,
 ) -> None:
     """One group in a spawned process: plain ``run_eval`` into ``out``, logging to a file."""
     root = logging.getLogger()
@@ -74,11 +78,17 @@ def _worker(
     import torch
 
     torch.set_num_threads(max(1, threads))
-    from offline_eval.runner import run_eval
+    from offline_eval.runner import run_eval, seeded_config
 
     try:
         run_eval(
-            cfg, dataset, specs, Path(out), split_path=Path(split_path), write_report=False, jobs=1
+            seeded_config(cfg, seed),
+            dataset,
+            specs,
+            Path(out),
+            split_path=Path(split_path),
+            write_report=False,
+            jobs=1,
         )
     except BaseException:
         log.exception("worker for %s failed", specs)
@@ -88,16 +98,17 @@ def _worker(
 def run_parallel(
     cfg: Config,
     dataset: str,
-    groups: list[list[str]],
+    groups: list[tuple[int | None, list[str]]],
     out: Path,
     split_path: Path,
     jobs: int,
     *,
     poll_seconds: float = 0.5,
-) -> dict[str, tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]]:
-    """Run each group in a worker process (at most ``jobs`` at once); returns
-    spec -> (summary entry, by-position table or None, planted table or None). A group whose
-    worker fails gets entries that say so (reason points at its log), the others stand."""
+) -> dict[tuple[str, int | None], dict[str, Any]]:
+    """Run each (seed, specs) group in a worker process (at most ``jobs`` at once); returns
+    (spec, seed) -> unit (offline_eval.results), its ranks file moved into ``out/ranks``. A
+    group whose worker fails gets units that say so (not available, the reason points at its
+    log), the others stand."""
     from tqdm import tqdm
 
     from offline_eval.runner import _empty_entry
@@ -108,12 +119,12 @@ def run_parallel(
     pending = list(enumerate(groups))
     running: dict[int, tuple[Any, int | None, float]] = {}
     per_gpu = [0] * n_gpus
-    results: dict[str, tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]] = {}
+    results: dict[tuple[str, int | None], dict[str, Any]] = {}
     bar = tqdm(total=len(groups), desc="eval jobs", unit="job")
     try:
         while pending or running:
             while pending and len(running) < jobs:
-                i, specs = pending.pop(0)
+                i, (seed, specs) = pending.pop(0)
                 part = out / "jobs" / str(i)
                 part.mkdir(parents=True, exist_ok=True)
                 gpu = min(range(n_gpus), key=lambda g: per_gpu[g]) if n_gpus else None
@@ -126,7 +137,7 @@ def run_parallel(
                 try:
                     p = ctx.Process(
                         target=_worker,
-                        args=(cfg, dataset, specs, str(part), str(split_path), threads),
+                        args=(cfg, dataset, specs, seed, str(part), str(split_path), threads),
                         name=f"recmem-eval-{i}",
                     )
                     p.start()
@@ -138,11 +149,12 @@ def run_parallel(
                             os.environ[k] = v
                 running[i] = (p, gpu, time.perf_counter())
                 log.info(
-                    "job %d started (pid %d, %s): %s",
+                    "job %d started (pid %d, %s): %s%s",
                     i,
                     p.pid,
                     f"GPU {gpu}" if gpu is not None else f"CPU, {threads} threads",
                     ", ".join(specs),
+                    "" if seed is None else f", seed {seed}",
                 )
             time.sleep(poll_seconds)
             for i in [i for i, (p, _, _) in running.items() if not p.is_alive()]:
@@ -151,7 +163,9 @@ def run_parallel(
                 if gpu is not None:
                     per_gpu[gpu] -= 1
                 part = out / "jobs" / str(i)
-                results.update(_collect(part, groups[i], p.exitcode, _empty_entry))
+                seed, specs = groups[i]
+                for spec, unit in _collect(part, specs, p.exitcode, _empty_entry, out).items():
+                    results[(spec, seed)] = {**unit, "seed": seed}
                 log.info(
                     "job %d finished in %.0f s (exit %s)", i, time.perf_counter() - t0, p.exitcode
                 )
@@ -169,56 +183,29 @@ def _collect(
     specs: list[str],
     exitcode: int | None,
     empty_entry: Callable[[str], dict[str, Any]],
-) -> dict[str, tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]]:
+    out: Path,
+) -> dict[str, dict[str, Any]]:
+    """spec -> the unit a worker left in ``part`` (its ranks file moved to ``out``), or a
+    not-available entry naming the log when the worker failed."""
+    from offline_eval.results import units_of
+
     summary_path = part / "summary.json"
     if exitcode != 0 or not summary_path.is_file():
         reason = f"evaluation job failed (exit {exitcode}); see {part / 'log.txt'}"
         log.error("%s: %s", ", ".join(specs), reason)
-        return {s: (empty_entry(reason), None, None) for s in specs}
+        return {s: empty_entry(reason) for s in specs}
     models = json.loads(summary_path.read_text())["models"]
     by_pos = _load(part / "by_position.json")
     planted = _load(part / "planted.json")
-    return {s: (models[s], by_pos.get(s), planted.get(s)) for s in specs}
+    units = {}
+    for s in specs:
+        (unit,) = units_of(models[s], by_pos.get(s), planted.get(s))
+        if unit["ranks"]:  # the same relative path under out as under part
+            (out / unit["ranks"]).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(part / unit["ranks"], out / unit["ranks"])
+        units[s] = unit
+    return units
 
 
 def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def combine_runs(
-    run_dirs: list[Path], models: list[str] | None = None
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Merge earlier runs' summary.json / by_position.json / planted.json (same dataset and
-    split) into one summary; ``models`` picks and orders the entries (default: all, in run
-    order; a later run's entry replaces an earlier one of the same name)."""
-    if not run_dirs:
-        raise ValueError("no runs to combine")
-    summary: dict[str, Any] | None = None
-    entries: dict[str, Any] = {}
-    by_position: dict[str, Any] = {}
-    planted: dict[str, Any] = {}
-    for d in run_dirs:
-        path = Path(d) / "summary.json"
-        if not path.is_file():
-            raise ValueError(f"{path} not found: not an evaluation run directory")
-        s = json.loads(path.read_text())
-        if summary is None:
-            summary = s
-        elif (s["dataset"], s["split"]) != (summary["dataset"], summary["split"]):
-            raise ValueError(
-                f"{path}: dataset or split differs from {run_dirs[0]}: "
-                f"{s['dataset']} {s['split']} vs {summary['dataset']} {summary['split']}"
-            )
-        entries.update(s["models"])
-        by_position.update(_load(Path(d) / "by_position.json"))
-        planted.update(_load(Path(d) / "planted.json"))
-    assert summary is not None
-    if models is not None:
-        missing = [m for m in models if m not in entries]
-        if missing:
-            raise ValueError(f"model(s) {missing} are in none of the runs; found {sorted(entries)}")
-        entries = {m: entries[m] for m in models}
-        by_position = {m: by_position[m] for m in models if m in by_position}
-        planted = {m: planted[m] for m in models if m in planted}
-    sources = [str(d) for d in run_dirs]
-    return {**summary, "models": entries, "combined_from": sources}, by_position, planted

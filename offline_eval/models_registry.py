@@ -1,35 +1,123 @@
-"""Registers the trained models with ``recmem eval`` (offline_eval.runner):
+"""The models ``recmem eval`` knows: name -> factory(split, cfg) -> (Scorer, train_seconds,
+config). The config records the settings (and for trained models the training history) so the
+report can show what was run; a memory model's config has ``"kind": "memory"`` (the paired
+intervals compare every model against the best model that is not one).
 
+- ``pop``: TRAIN popularity (offline_eval.baselines), deterministic, so run once per
+  ``--seeds``;
 - ``sasrec``: our SASRec (max length 200, full-catalog cross-entropy);
 - ``memory-static``: the memory recommender with E = 1 (static capacity);
 - ``memory-proteus``: the memory recommender with the configured E and N;
 - ``memory-proteus-notebank``: the same training, evaluated with NoteBank replay
-  (offline_eval.notebank_eval).
+  (offline_eval.notebank_eval, which needs the serving packages: faiss, gRPC, Prometheus).
 
-Each factory trains on the split's TRAIN prefixes with early stopping on VALID NDCG@10 and
-returns (scorer, train_seconds, config); the config records the settings and the training
-history so the report can show what was run.
+Trained models train on the split's TRAIN prefixes with early stopping on VALID NDCG@10.
+A model whose modules cannot be imported here stays listed, as not available, with a reason
+that names the missing package; the other models run.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from models.recommender import MemoryRecommender
 from models.sasrec import SASRec
 from models.train import TrainResult, pick_device
+from offline_eval.baselines import make_pop
 from offline_eval.evaluate import Scorer
-from offline_eval.notebank_eval import NotebankScorer
-from offline_eval.runner import register_model
 from offline_eval.split import TimeSplit
 from offline_eval.training import train_on_split
 from recmem.config import Config
 from recmem.modelstore import adopt_model_config, load_model
 
 log = logging.getLogger(__name__)
+
+ModelFactory = Callable[[TimeSplit, Config], tuple[Scorer, float, dict[str, Any]]]
+
+DEFAULT_MODELS = ("pop", "sasrec", "memory-static", "memory-proteus", "memory-proteus-notebank")
+
+PIP_NAMES = {
+    "faiss": "faiss-cpu",
+    "grpc": "grpcio",
+    "grpc_health": "grpcio-health-checking",
+    "grpc_reflection": "grpcio-reflection",
+    "google": "protobuf",
+    "prometheus_client": "prometheus-client",
+    "kafka": "kafka-python",
+    "fla": "fla-core",
+    "torchrec": "torchrec",
+    "polars": "polars",
+}
+"""Top-level module -> the package that provides it, for the "not available" reason."""
+
+_OWN_PACKAGES = ("recmem", "models", "offline_eval", "streams", "proto")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredModel:
+    factory: ModelFactory | None
+    seeded: bool = True
+    """Its result depends on ``train.seed``: ``--seeds`` runs it once per seed."""
+    reason: str = ""
+    """Why it cannot run here; empty when it can."""
+
+
+_MODELS: dict[str, RegisteredModel] = {}
+
+
+def register_model(
+    name: str, factory: ModelFactory, *, seeded: bool = True, needs: tuple[str, ...] = ()
+) -> None:
+    """Make ``name`` available to ``recmem eval --models``. ``needs``: modules the factory
+    imports when it runs; if one cannot be imported here, the model is listed as not
+    available with a reason naming the missing package."""
+    for module in needs:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            register_unavailable(name, missing_package_reason(name, e), seeded=seeded)
+            return
+    _MODELS[name] = RegisteredModel(factory, seeded)
+
+
+def register_unavailable(name: str, reason: str, *, seeded: bool = True) -> None:
+    """Declare a model that is known but cannot run now; it is listed with ``reason``."""
+    if name not in _MODELS or _MODELS[name].reason:
+        _MODELS[name] = RegisteredModel(None, seeded, reason)
+        log.info("model %s is not available: %s", name, reason)
+
+
+def missing_package_reason(name: str, error: ImportError) -> str:
+    """ "memory-proteus-notebank needs faiss (pip install faiss-cpu)" for a missing package;
+    the error itself when the failing module is one of ours or unnamed."""
+    missing = error.name or ""
+    top = missing.partition(".")[0]
+    if not top or top in _OWN_PACKAGES:
+        return f"{name} cannot be imported: {error}"
+    return f"{name} needs {missing} (pip install {PIP_NAMES.get(top, top)})"
+
+
+def available_models() -> dict[str, str]:
+    """name -> "" when runnable, else the reason it is not available."""
+    return {name: m.reason for name, m in _MODELS.items()}
+
+
+def model_factory(name: str) -> ModelFactory:
+    m = _MODELS[name]
+    if m.factory is None:
+        raise ValueError(f"model {name} is not available: {m.reason}")
+    return m.factory
+
+
+def is_seeded(name: str) -> bool:
+    """Whether ``name`` depends on ``train.seed`` (unknown names: True)."""
+    m = _MODELS.get(name)
+    return m.seeded if m is not None else True
 
 
 def _describe(kind: str, cfg: Config, result: TrainResult) -> dict[str, Any]:
@@ -130,6 +218,8 @@ def make_memory_proteus(split: TimeSplit, cfg: Config) -> tuple[Scorer, float, d
 def make_memory_proteus_notebank(
     split: TimeSplit, cfg: Config
 ) -> tuple[Scorer, float, dict[str, Any]]:
+    from offline_eval.notebank_eval import NotebankScorer
+
     cfg = copy.deepcopy(cfg)
     model, result, shared = _train_memory_proteus(split, cfg)
     assert isinstance(model, MemoryRecommender)
@@ -142,7 +232,12 @@ def make_memory_proteus_notebank(
     return scorer, result.train_seconds, info
 
 
+register_model("pop", make_pop, seeded=False)
 register_model("sasrec", make_sasrec)
 register_model("memory-static", make_memory_static)
 register_model("memory-proteus", make_memory_proteus)
-register_model("memory-proteus-notebank", make_memory_proteus_notebank)
+register_model(
+    "memory-proteus-notebank",
+    make_memory_proteus_notebank,
+    needs=("offline_eval.notebank_eval",),
+)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from offline_eval.metrics import METRIC_KEYS
+from offline_eval.results import GROUPS, available, is_memory_model
 from offline_eval.strata import STRATA, position_bucket_labels
 
 if TYPE_CHECKING:
@@ -33,17 +34,13 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return lines
 
 
-def _available(entry: dict[str, Any]) -> bool:
-    return entry.get("config", {}).get("available", True) is not False
-
-
 def plot_strata(path: Path, models: dict[str, Any], metric: str = "ndcg@10") -> bool:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [m for m, e in models.items() if _available(e)]
+    names = [m for m, e in models.items() if available(e)]
     groups = ["overall", *[s for s in STRATA if any(models[m][s]["n"] for m in names)]]
     if not names:
         return False
@@ -92,13 +89,13 @@ def plot_by_position(path: Path, by_position: dict[str, dict[str, dict[str, Any]
 
 
 def memory_grid(models: dict[str, Any]) -> list[tuple[str, int, int, dict[str, Any]]]:
-    """(name, E, N, entry) of the available memory models, sorted by (N, E), when they span
-    at least three (E, N) settings (an ablation); else empty."""
+    """(name, E, N, entry) of the available memory models, sorted by (N, E, name), when they
+    span at least three (E, N) settings (an ablation); else empty."""
     rows = []
     for name, e in models.items():
         mem = e.get("config", {}).get("memory")
         if (
-            _available(e)
+            available(e)
             and isinstance(mem, dict)
             and "n_blocks" in mem
             and "notebank" not in e["config"]
@@ -106,11 +103,23 @@ def memory_grid(models: dict[str, Any]) -> list[tuple[str, int, int, dict[str, A
             rows.append((name, int(mem["n_blocks"]), int(mem["horizon"]), e))
     if len({(E, N) for _, E, N, _ in rows}) < 3:
         return []
-    return sorted(rows, key=lambda r: (r[2], r[1]))
+    return sorted(rows, key=lambda r: (r[2], r[1], r[0]))
+
+
+def _other_overrides(entry: dict[str, Any]) -> str:
+    """The entry's overrides other than E and N (one ablation line per distinct value)."""
+    grid_keys = ("memory.n_blocks", "memory.horizon")
+    others = [
+        o
+        for o in entry.get("config", {}).get("overrides", [])
+        if o.partition("=")[0].strip() not in grid_keys
+    ]
+    return "; ".join(others)
 
 
 def plot_ablation(path: Path, grid: list[tuple[str, int, int, dict[str, Any]]]) -> bool:
-    """TEST NDCG@10 (overall, solid; LONG-TERM, dashed) against E, one colour per N."""
+    """TEST NDCG@10 (overall, solid; LONG-TERM, dashed) against E, one colour per N and per
+    set of other overrides (e.g. a learning rate), so any mix of models plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,23 +127,27 @@ def plot_ablation(path: Path, grid: list[tuple[str, int, int, dict[str, Any]]]) 
 
     if not grid:
         return False
+    lines: dict[tuple[int, str], list[tuple[int, dict[str, Any]]]] = {}
+    for _, E, N, e in grid:
+        lines.setdefault((N, _other_overrides(e)), []).append((E, e))
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for N in sorted({r[2] for r in grid}):
-        pts = sorted((E, e) for _, E, n, e in grid if n == N)
+    for (N, others), pts in sorted(lines.items()):
+        pts.sort(key=lambda p: p[0])
         xs = [E for E, _ in pts]
-        line = ax.plot(xs, [e["overall"]["ndcg@10"] for _, e in pts], marker="o", label=f"N={N}")
+        label = f"N={N}" + (f" {others}" if others else "")
+        line = ax.plot(xs, [e["overall"]["ndcg@10"] for _, e in pts], marker="o", label=label)
         ax.plot(
             xs,
             [e["long_term"]["ndcg@10"] for _, e in pts],
             marker="s",
             linestyle="--",
             color=line[0].get_color(),
-            label=f"N={N} LONG-TERM",
+            label=f"{label} LONG-TERM",
         )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("E (Proteus blocks; E = 1 is the static memory)")
     ax.set_ylabel("TEST NDCG@10")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
@@ -145,6 +158,75 @@ def _save(fig: Any, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}.png")
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, path)
+
+
+GROUP_TITLES = {"overall": "overall", "long_term": "LONG-TERM", GROUPS[2]: f"position {GROUPS[2]}"}
+
+
+def _seed_lines(models: dict[str, Any]) -> list[str]:
+    """Mean, std and range over seeds of TEST NDCG@10 (models run with several seeds)."""
+    seeded = {m: e for m, e in models.items() if available(e) and e.get("spread")}
+    if not seeded:
+        return []
+    lines = ["", "## Seeds: TEST NDCG@10 mean ± std (min-max)", ""]
+    rows = []
+    for name, e in seeded.items():
+        cells = []
+        for g in GROUPS:
+            sp = e["spread"][g]
+            cells.append(
+                "–"
+                if sp["mean"] is None
+                else f"{sp['mean']:.4f} ± {sp['std']:.4f} ({sp['min']:.4f}-{sp['max']:.4f})"
+            )
+        rows.append([name, ", ".join(str(x) for x in e["seeds"]), *cells])
+    lines += _table(["model", "seeds", *[GROUP_TITLES[g] for g in GROUPS]], rows)
+    lines += [
+        "",
+        "std is the sample standard deviation over seeds; the other tables show the means; "
+        "summary.json keeps each seed's numbers (`per_seed`).",
+    ]
+    return lines
+
+
+def _interval(r: dict[str, Any]) -> str:
+    if r["diff"] is None:
+        return "– (n = 0)"
+    return f"{r['diff']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}]"
+
+
+def _interval_lines(iv: dict[str, Any], models: dict[str, Any]) -> list[str]:
+    """Each model's NDCG@10 minus the best baseline's, with its paired bootstrap interval."""
+    pct = round(100 * iv["confidence"])
+    lines = ["", f"## NDCG@10 minus the best baseline's, paired bootstrap {pct}% interval (TEST)"]
+    lines += [""]
+    if iv.get("note"):
+        return lines + [f"No intervals: {iv['note']}."]
+    base = iv["baseline"]
+    baselines = [m for m, e in models.items() if available(e) and not is_memory_model(e)]
+    seeds = models[base].get("seeds", [])
+    lines += [
+        f"Baseline: **{base}**, the best TEST NDCG@10 among the models that are not memory models "
+        f"({', '.join(baselines)}). For each model, each target's NDCG@10 minus the baseline's on "
+        f"the same target (a model with several seeds enters with each target's NDCG@10 averaged "
+        f"over its seeds{'; so does the baseline' if len(seeds) > 1 else ''}); the targets are "
+        f"resampled with replacement {iv['resamples']} times (seed {iv['seed']}), the same "
+        f"resampled targets for both models, and the interval runs from the "
+        f"{(100 - pct) / 2:g}th to the {100 - (100 - pct) / 2:g}th percentile of the resampled "
+        f"mean differences. Above 0: better than the baseline on these targets. Targets are "
+        f"resampled one by one, not by user, so the interval leaves out the correlation "
+        f"between one user's targets.",
+        "",
+    ]
+    first = next(iter(iv["models"].values()), None)
+    header = ["model"] + [
+        f"{GROUP_TITLES[g]} (n = {first[g]['n']})" if first else GROUP_TITLES[g] for g in GROUPS
+    ]
+    rows = [[name, *[_interval(r[g]) for g in GROUPS]] for name, r in iv["models"].items()]
+    lines += _table(header, rows)
+    if iv.get("no_ranks"):
+        lines += ["", "Without saved ranks (no interval): " + ", ".join(iv["no_ranks"]) + "."]
+    return lines
 
 
 def render_report(
@@ -180,22 +262,29 @@ def render_report(
     rows = []
     for name, e in models.items():
         o = e["overall"]
-        status = "" if _available(e) else f"not available: {e['config'].get('reason', '')}"
+        status = "" if available(e) else f"not available: {e['config'].get('reason', '')}"
+        if len(e.get("seeds", [])) > 1:
+            status = "mean of seeds " + ", ".join(str(x) for x in e["seeds"])
+        if e.get("failed_seeds"):
+            status += "; failed: seed " + ", ".join(e["failed_seeds"])
         rows.append(
             [name, *[o[k] for k in METRIC_KEYS], o["n"], e["train_seconds"], e["eval_seconds"]]
             + [status]
         )
     lines += _table(["model", *METRIC_KEYS, "n", "train s", "eval s", "note"], rows)
+    lines += _seed_lines(models)
+    if summary.get("intervals"):
+        lines += _interval_lines(summary["intervals"], models)
     for metric in ("ndcg@10", "hr@10"):
         lines += ["", f"## {metric} by stratum (TEST)", ""]
         header = ["model"] + [f"{STRATUM_TITLES[s]} (n)" for s in STRATA]
         rows = []
         for name, e in models.items():
-            if _available(e):
+            if available(e):
                 rows.append([name] + [f"{_fmt(e[s][metric])} ({e[s]['n']})" for s in STRATA])
         lines += _table(header, rows)
     ablation = [
-        (name, e) for name, e in models.items() if _available(e) and e["config"].get("overrides")
+        (name, e) for name, e in models.items() if available(e) and e["config"].get("overrides")
     ]
     if ablation:
         lines += ["", "## Ablation (models run with configuration overrides; TEST NDCG@10)", ""]

@@ -59,6 +59,13 @@ def _cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def _parse_seeds(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"--seeds: expected integers such as 0,1,2; got {text!r}") from e
+
+
 def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     from offline_eval.runner import DEFAULT_MODELS, parse_models, run_eval
 
@@ -75,13 +82,18 @@ def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     if args.from_runs:
         from offline_eval.runner import report_from_runs
 
+        if args.seeds:
+            raise ValueError("--seeds trains models; --from-runs combines runs already made")
         picked = parse_models(args.models, check_known=False) if args.models else None
         runs = [Path(d) for d in args.from_runs.split(",") if d.strip()]
         summary = report_from_runs(cfg, runs, Path(args.out), picked)
     else:
         models = parse_models(args.models or ",".join(DEFAULT_MODELS))
         split = Path(args.split) if args.split else None
-        summary = run_eval(cfg, dataset, models, Path(args.out), split_path=split, jobs=args.jobs)
+        seeds = _parse_seeds(args.seeds) if args.seeds else None
+        summary = run_eval(
+            cfg, dataset, models, Path(args.out), split_path=split, jobs=args.jobs, seeds=seeds
+        )
     sp = summary["split"]
     print(f"{summary['dataset']}: {sp['n_test_targets']} TEST targets")
     for name, entry in summary["models"].items():
@@ -89,7 +101,9 @@ def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
         if entry["train_seconds"] is None:
             print(f"  {name:26s} not available: {entry['config'].get('reason', '')}")
         else:
-            print(f"  {name:26s} NDCG@10 {o['ndcg@10']:.4f}  HR@10 {o['hr@10']:.4f}")
+            seeds = entry.get("seeds", [])
+            mean = f"  (mean of {len(seeds)} seeds)" if len(seeds) > 1 else ""
+            print(f"  {name:26s} NDCG@10 {o['ndcg@10']:.4f}  HR@10 {o['hr@10']:.4f}{mean}")
     print(f"summary.json and report.md in {args.out}")
     return 0
 
@@ -209,9 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
                 help="ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH | grouplens:DIR",
             )
             p.add_argument(
-                "--models", help="comma-separated model names (default: all known models)"
+                "--models",
+                help="comma-separated model specs, each NAME or NAME[section.field=value;...] "
+                "(default: pop,sasrec,memory-static,memory-proteus,memory-proteus-notebank)",
             )
-            p.add_argument("--out", help="output directory for the reports (required)")
+            p.add_argument(
+                "--out",
+                help="output directory (required): summary.json, report.md (with paired "
+                "bootstrap intervals against the best baseline), by_position.json, "
+                "ranks/*.npz (per-target ranks), plots",
+            )
             p.add_argument("--split", help="a prepared split (.npz from TimeSplit.save) to use")
             p.add_argument(
                 "--prepare-split",
@@ -219,16 +240,23 @@ def build_parser() -> argparse.ArgumentParser:
                 help="only build the split and save it at PATH (.npz + .json), then exit",
             )
             p.add_argument(
+                "--seeds",
+                metavar="S[,S...]",
+                help="train every trained model once per seed (train.seed; pop runs once); "
+                "the report gives mean and spread over seeds",
+            )
+            p.add_argument(
                 "--jobs",
                 type=int,
-                help="models trained at once in worker processes, spread over the GPUs "
-                "(default: eval.jobs)",
+                help="trainings run at once in worker processes (models and seeds), spread "
+                "over the GPUs (default: eval.jobs)",
             )
             p.add_argument(
                 "--from-runs",
                 metavar="DIR[,DIR...]",
-                help="train nothing: combine earlier runs' summary.json (same split) into one "
-                "report in --out; --models picks and orders the entries",
+                help="train nothing: combine earlier runs (same split; e.g. one per seed) into "
+                "one report in --out, a model's runs with different seeds as its seeds; "
+                "--models picks and orders the entries",
             )
         if name == "ingest":
             p.add_argument(

@@ -1,5 +1,6 @@
-"""``recmem eval --jobs``: models trained in spawned worker processes give the same report
-as one process; ``--from-runs`` combines earlier runs without training."""
+"""``recmem eval --jobs``: models (and seeds) trained in spawned worker processes give the same
+report as one process; ``--from-runs`` combines earlier runs without training, a model's runs
+with different seeds as its seeds."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from pathlib import Path
 import pytest
 
 from offline_eval import runner
-from offline_eval.jobs import combine_runs, training_groups
+from offline_eval.jobs import training_groups
+from offline_eval.ranks import load_ranks
+from offline_eval.results import combine_runs
 from recmem.cli import main
 from recmem.config import load_config
+from tests.offline_eval.test_runner import probe_models, write_long_history_csv  # noqa: F401
 
 TINY = [
     "data.synthetic_users=40",
@@ -70,6 +74,32 @@ def test_parallel_run_matches_serial_run(tmp_path: Path) -> None:
     by_pos = json.loads((tmp_path / "par" / "by_position.json").read_text())
     assert set(by_pos) == set(models)
     assert "memory-static" in (tmp_path / "par" / "report.md").read_text()
+    # the workers' ranks files were moved next to the merged summary
+    for m in models:
+        (rel,) = par["models"][m]["ranks"]
+        z = load_ranks(tmp_path / "par" / rel)
+        assert z["label"] == m and z["ranks"].shape[0] == par["models"][m]["overall"]["n"]
+
+
+def test_seeds_run_in_parallel_workers(tmp_path: Path) -> None:
+    cfg = load_config(None, [*TINY, f"data.cache_dir={tmp_path / 'cache'}"])
+    models = ["pop", "memory-proteus", "memory-proteus-notebank"]
+    summary = runner.run_eval(cfg, "synthetic", models, tmp_path / "o", jobs=3, seeds=[3, 4])
+    # pop once; memory-proteus with its notebank twin once per seed: three jobs
+    jobs = sorted(p.name for p in (tmp_path / "o" / "jobs").iterdir() if p.is_dir())
+    assert jobs == ["0", "1", "2"]
+    for m in ("memory-proteus", "memory-proteus-notebank"):
+        entry = summary["models"][m]
+        assert entry["seeds"] == [3, 4] and set(entry["per_seed"]) == {"3", "4"}
+        for seed in ("3", "4"):
+            unit = entry["per_seed"][seed]
+            assert unit["config"]["train"]["seed"] == int(seed)
+            assert load_ranks(tmp_path / "o" / unit["ranks"])["seed"] == int(seed)
+    notebank = summary["models"]["memory-proteus-notebank"]["per_seed"]
+    assert all(notebank[s]["config"]["reused_training"] for s in ("3", "4"))
+    assert summary["models"]["pop"]["seeds"] == [None]
+    assert summary["intervals"]["baseline"] == "pop"
+    assert set(summary["intervals"]["models"]) == set(models[1:])
 
 
 def test_failed_worker_is_reported_not_fatal(tmp_path: Path) -> None:
@@ -96,8 +126,10 @@ def test_from_runs_combines_without_training(tmp_path: Path) -> None:
     assert list(summary["models"]) == ["pop[eval.recent_window=5]", "pop"]
     assert summary["combined_from"] == [str(tmp_path / "a"), str(tmp_path / "b")]
     assert (out / "report.md").is_file()
+    for entry in summary["models"].values():  # the ranks files came along
+        assert (out / entry["ranks"][0]).is_file()
     with pytest.raises(ValueError, match="in none of the runs"):
-        combine_runs([tmp_path / "a"], ["nosuch"])
+        combine_runs([tmp_path / "a"], tmp_path / "x", ["nosuch"])
     other = [
         "eval",
         "--dataset",
@@ -109,4 +141,39 @@ def test_from_runs_combines_without_training(tmp_path: Path) -> None:
     ]
     assert main([*other, "--set", cache, "--models", "pop", "--out", str(tmp_path / "d")]) == 0
     with pytest.raises(ValueError, match="split differs"):
-        combine_runs([tmp_path / "a", tmp_path / "d"])
+        combine_runs([tmp_path / "a", tmp_path / "d"], tmp_path / "x")
+    assert main(["eval", "--from-runs", runs, "--seeds", "0,1", "--out", str(out)]) == 2
+
+
+@pytest.mark.usefixtures("probe_models")
+def test_from_runs_merges_one_run_per_seed(tmp_path: Path) -> None:
+    dataset = write_long_history_csv(tmp_path / "events.csv")
+    base = ["eval", "--dataset", dataset, "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    models = ["--models", "pop,noisy-pop"]
+    assert main([*base, *models, "--out", str(tmp_path / "s0")]) == 0
+    assert main([*base, *models, "--set", "train.seed=1", "--out", str(tmp_path / "s1")]) == 0
+    assert main([*base, *models, "--seeds", "0,1", "--out", str(tmp_path / "both")]) == 0
+    out = tmp_path / "merged"
+    runs = f"{tmp_path / 's0'},{tmp_path / 's1'}"
+    assert main(["eval", "--from-runs", runs, "--out", str(out)]) == 0
+    merged = json.loads((out / "summary.json").read_text())
+    both = json.loads((tmp_path / "both" / "summary.json").read_text())
+    noisy = merged["models"]["noisy-pop"]
+    assert noisy["seeds"] == [0, 1]
+    assert sorted(p.name for p in (out / "ranks").iterdir()) == [
+        "noisy-pop.seed0.npz", "noisy-pop.seed1.npz", "pop.npz",
+    ]  # fmt: skip
+    # two single-seed runs merged = one run with both seeds
+    assert noisy["overall"] == both["models"]["noisy-pop"]["overall"]
+    assert noisy["spread"] == both["models"]["noisy-pop"]["spread"]
+    assert merged["intervals"]["models"] == both["intervals"]["models"]
+    # a run made before ranks files existed still merges; its model just has no interval
+    old = json.loads((tmp_path / "s1" / "summary.json").read_text())
+    del old["models"]["noisy-pop"]["seeds"], old["models"]["noisy-pop"]["ranks"]
+    old.pop("intervals")
+    (tmp_path / "s1" / "summary.json").write_text(json.dumps(old))
+    assert main(["eval", "--from-runs", runs, "--out", str(tmp_path / "m2")]) == 0
+    m2 = json.loads((tmp_path / "m2" / "summary.json").read_text())
+    assert m2["models"]["noisy-pop"]["seeds"] == [0, 1]  # from the recorded train.seed
+    assert m2["intervals"]["no_ranks"] == ["noisy-pop"]
+    assert "Without saved ranks" in (tmp_path / "m2" / "report.md").read_text()

@@ -1,0 +1,254 @@
+"""From per-(model, seed) results to a run's summary: means and spread over seeds, the paired
+intervals against the best baseline, and the merge of earlier runs (``--from-runs``).
+
+A *unit* is one model spec evaluated with one seed: its summary metrics (``overall`` and the
+strata), ``train_seconds``, ``eval_seconds``, ``config``, ``seed`` (None for a model that
+takes none), ``ranks`` (its ranks file, relative to the run directory; offline_eval.ranks),
+``by_position`` and, on generated data, ``planted``. A model's summary entry is its only unit,
+or, over several seeds, the mean of its units with ``per_seed`` and ``spread`` beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from offline_eval.ranks import RANKS_DIR, load_ranks, ranks_filename
+from offline_eval.stats import (
+    BOOTSTRAP_CONFIDENCE,
+    BOOTSTRAP_RESAMPLES,
+    BOOTSTRAP_SEED,
+    ndcg10_per_target,
+    paired_bootstrap,
+    spread,
+)
+from offline_eval.strata import POSITION_BUCKETS, STRATA, position_bucket_labels
+
+Unit = dict[str, Any]
+
+LONG_POSITION = POSITION_BUCKETS[-1][0]
+"""Targets at this 1-based position or later form the "501+" group."""
+GROUPS = ("overall", "long_term", position_bucket_labels()[-1])
+"""Target groups of the seed spread and the intervals (TEST NDCG@10)."""
+
+_UNIT_ONLY = ("seed", "ranks", "by_position", "planted")
+
+
+def is_memory_model(entry: dict[str, Any]) -> bool:
+    """A memory model (``config.kind == "memory"``); every other model is a baseline."""
+    return entry.get("config", {}).get("kind") == "memory"
+
+
+def available(entry: dict[str, Any]) -> bool:
+    return entry.get("config", {}).get("available", True) is not False
+
+
+def _group_ndcg(unit: Unit, group: str) -> float | None:
+    if group in ("overall", *STRATA):
+        return unit[group]["ndcg@10"]
+    return ((unit.get("by_position") or {}).get(group) or {}).get("ndcg@10")
+
+
+def _mean(values: list[Any]) -> float | None:
+    return None if any(v is None for v in values) else float(np.mean(values))
+
+
+def _mean_tables(tables: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Key-wise mean of tables of {group: {"n": ..., metric: value}} (n from the first)."""
+    out: dict[str, dict[str, Any]] = {}
+    for group, first in tables[0].items():
+        row = {k: _mean([t[group][k] for t in tables]) for k in first if k != "n"}
+        out[group] = {"n": first["n"], **row} if "n" in first else row
+    return out
+
+
+def aggregate_seeds(
+    units: list[Unit],
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+    """(summary entry, by-position table, planted table) of one model from its units (at
+    least one): with one unit, that unit; with several, the means over them, plus
+    ``per_seed`` (each unit, keyed by its seed) and ``spread`` (GROUPS' NDCG@10 over seeds)."""
+    seeds = [u["seed"] for u in units]
+    ranks = [u["ranks"] for u in units if u.get("ranks")]
+    tables = [u["by_position"] for u in units if u.get("by_position")]
+    planted_tables = [u["planted"] for u in units if u.get("planted")]
+    if len(units) == 1:
+        entry = {k: v for k, v in units[0].items() if k not in _UNIT_ONLY}
+        entry.update(seeds=seeds, ranks=ranks)
+        return entry, tables[0] if tables else None, planted_tables[0] if planted_tables else None
+    entry = {g: _mean_tables([{g: u[g]} for u in units])[g] for g in ("overall", *STRATA)}
+    entry.update(
+        train_seconds=_mean([u["train_seconds"] for u in units]),
+        eval_seconds=_mean([u["eval_seconds"] for u in units]),
+        config=units[0]["config"],
+        seeds=seeds,
+        ranks=ranks if len(ranks) == len(units) else [],
+        per_seed={str(u["seed"]): {k: v for k, v in u.items() if k != "seed"} for u in units},
+        spread={g: spread([_group_ndcg(u, g) for u in units]) for g in GROUPS},
+    )
+    by_position = _mean_tables(tables) if len(tables) == len(units) else None
+    planted = _mean_tables(planted_tables) if len(planted_tables) == len(units) else None
+    return entry, by_position, planted
+
+
+def units_of(
+    entry: dict[str, Any], by_position: dict[str, Any] | None, planted: dict[str, Any] | None
+) -> list[Unit]:
+    """The units behind a summary entry (the inverse of :func:`aggregate_seeds`); an entry
+    written before seeds and ranks files were recorded is one unit with its configured
+    ``train.seed`` and no ranks."""
+    if "per_seed" in entry:
+        return [{**u, "seed": _seed(s)} for s, u in entry["per_seed"].items()]
+    unit = {k: v for k, v in entry.items() if k not in ("seeds", "ranks")}
+    if "seeds" in entry:
+        unit["seed"] = entry["seeds"][0]
+        unit["ranks"] = entry["ranks"][0] if entry["ranks"] else None
+    else:
+        unit["seed"] = entry.get("config", {}).get("train", {}).get("seed")
+        unit["ranks"] = None
+    unit["by_position"] = by_position
+    if planted is not None:
+        unit["planted"] = planted
+    return [unit]
+
+
+def _seed(key: str) -> int | None:
+    return None if key == "None" else int(key)
+
+
+def paired_intervals(
+    root: Path,
+    entries: dict[str, dict[str, Any]],
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    confidence: float = BOOTSTRAP_CONFIDENCE,
+    seed: int = BOOTSTRAP_SEED,
+) -> dict[str, Any]:
+    """Each model's TEST NDCG@10 minus the best baseline's, per target on the same targets,
+    with a paired bootstrap interval (offline_eval.stats) in each of GROUPS. The baseline is
+    the available non-memory model with the highest mean NDCG@10 overall; a model with
+    several seeds enters with each target's NDCG@10 averaged over its seeds (so does the
+    baseline). Models without ranks files are left out and listed under ``no_ranks``."""
+    out: dict[str, Any] = {
+        "metric": "ndcg@10",
+        "method": "paired percentile bootstrap over TEST targets",
+        "resamples": resamples,
+        "confidence": confidence,
+        "seed": seed,
+        "baseline": None,
+        "models": {},
+        "no_ranks": [],
+    }
+    ready = {m: e for m, e in entries.items() if available(e)}
+    for m, e in ready.items():
+        if not e.get("ranks") or len(e["ranks"]) != len(e.get("seeds", [])):
+            out["no_ranks"].append(m)
+    baselines = [m for m, e in ready.items() if not is_memory_model(e)]
+    if not baselines:
+        out["note"] = "no baseline (a model that is not a memory model) was evaluated"
+        return out
+    best = max(baselines, key=lambda m: ready[m]["overall"]["ndcg@10"] or 0.0)
+    out["baseline"] = best
+    if best in out["no_ranks"]:
+        out["note"] = f"the best baseline, {best}, has no ranks files"
+        return out
+    base_rows, base, masks = _per_target_ndcg(root, best, ready[best]["ranks"])
+    for model in ready:
+        if model == best or model in out["no_ranks"]:
+            continue
+        rows, ndcg, _ = _per_target_ndcg(root, model, ready[model]["ranks"])
+        if not np.array_equal(rows, base_rows):
+            raise ValueError(f"{model} and {best} were ranked on different targets")
+        out["models"][model] = {
+            g: paired_bootstrap(
+                ndcg[masks[g]],
+                base[masks[g]],
+                resamples=resamples,
+                confidence=confidence,
+                seed=seed,
+            )
+            for g in GROUPS
+        }
+    return out
+
+
+def _per_target_ndcg(
+    root: Path, model: str, paths: list[str]
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """(target rows, each target's NDCG@10 averaged over the files, masks of GROUPS)."""
+    files = [load_ranks(root / p) for p in paths]
+    rows = files[0]["rows"]
+    if any(not np.array_equal(f["rows"], rows) for f in files[1:]):
+        raise ValueError(f"{model}: its ranks files cover different targets")
+    ndcg = np.mean([ndcg10_per_target(f["ranks"]) for f in files], axis=0)
+    masks = {
+        "overall": np.ones(rows.shape[0], dtype=bool),
+        "long_term": files[0]["is_long_term"],
+        GROUPS[2]: files[0]["positions"] >= LONG_POSITION,
+    }
+    return rows, ndcg, masks
+
+
+def combine_runs(
+    run_dirs: list[Path], out: Path, models: list[str] | None = None
+) -> tuple[dict[str, Any], dict[str, list[Unit]], dict[str, dict[str, Any]]]:
+    """Earlier runs on the same dataset and split, as (summary without models, units per
+    model, entries of models that were not available). Units of one model from several runs
+    are its seeds (e.g. one run per seed); a later run's unit replaces an earlier one with the
+    same seed. Their ranks files are copied into ``out/ranks``. ``models`` picks and orders
+    the models (default: all, in the order first seen)."""
+    if not run_dirs:
+        raise ValueError("no runs to combine")
+    base: dict[str, Any] | None = None
+    units: dict[str, dict[Any, Unit]] = {}
+    unavailable: dict[str, dict[str, Any]] = {}
+    for d in run_dirs:
+        path = Path(d) / "summary.json"
+        if not path.is_file():
+            raise ValueError(f"{path} not found: not an evaluation run directory")
+        s = json.loads(path.read_text())
+        if base is None:
+            base = s
+        elif (s["dataset"], s["split"]) != (base["dataset"], base["split"]):
+            raise ValueError(
+                f"{path}: dataset or split differs from {run_dirs[0]}: "
+                f"{s['dataset']} {s['split']} vs {base['dataset']} {base['split']}"
+            )
+        by_position = _load(Path(d) / "by_position.json")
+        planted = _load(Path(d) / "planted.json")
+        for name, entry in s["models"].items():
+            if not available(entry):
+                unavailable[name] = entry
+                units.setdefault(name, {})
+                continue
+            for unit in units_of(entry, by_position.get(name), planted.get(name)):
+                if unit["ranks"]:
+                    unit["ranks"] = _copy_ranks(Path(d), unit["ranks"], out, name, unit["seed"])
+                units.setdefault(name, {})[unit["seed"]] = unit
+    assert base is not None
+    if models is not None:
+        missing = [m for m in models if m not in units]
+        if missing:
+            raise ValueError(f"model(s) {missing} are in none of the runs; found {sorted(units)}")
+        units = {m: units[m] for m in models}
+    summary = {k: v for k, v in base.items() if k not in ("models", "intervals")}
+    summary["combined_from"] = [str(d) for d in run_dirs]
+    picked_unavailable = {m: e for m, e in unavailable.items() if m in units and not units[m]}
+    return summary, {m: list(u.values()) for m, u in units.items()}, picked_unavailable
+
+
+def _copy_ranks(run: Path, rel: str, out: Path, label: str, seed: int | None) -> str:
+    dest = Path(RANKS_DIR) / ranks_filename(label, seed)
+    src, dst = run / rel, out / dest
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if not (dst.exists() and src.resolve() == dst.resolve()):
+        shutil.copyfile(src, dst)
+    return dest.as_posix()
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
