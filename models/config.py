@@ -107,6 +107,11 @@ class TrainConfig:
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
     max_seconds: float = 0.0
     """Stop training after this many seconds (0 = no limit); the best checkpoint is kept."""
+    cuda_graphs: bool = True
+    """On a CUDA device, run the memory model's training step at a fixed batch shape,
+    captured once in a CUDA graph and replayed (models/train_step.py): the step is bound by
+    kernel launches, not arithmetic. Not with the sampled loss, proteus_ffn_mask or a
+    catalog too large to score every position against; no effect on the CPU."""
     proteus_ffn_mask: bool = False
     """Paper section 2.4: apply the Proteus prefix mask (E = memory.n_blocks) to the
     feed-forward weight updates of the memory model, keyed on the optimizer step."""

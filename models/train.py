@@ -35,6 +35,8 @@ from models.embeddings import kjt_available
 from models.memory.proteus import open_rows
 from models.recommender import MemoryRecommender, padded_batch
 from models.sequences import EventSeqs
+from models.state import MemoryState
+from models.train_step import SegmentBatch, StaticSegmentStep, static_step_fits
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +159,10 @@ class TrainControl:
 
     def before_step(self) -> None:
         for group in self.optim.param_groups:
-            group["lr"] = self.lr()
+            if isinstance(group["lr"], torch.Tensor):  # a graphed step reads it on the device
+                group["lr"].fill_(self.lr())
+            else:
+                group["lr"] = self.lr()
 
     def after_step(self, loss: float | torch.Tensor, n: int) -> bool:
         """Count a step of mean loss ``loss`` over ``n`` targets (a device tensor is read
@@ -364,9 +369,30 @@ class MemoryEpoch:
         self.batch_size = auto_batch_size(tcfg, int((self.lengths >= 2).sum()))
         self.rng = np.random.default_rng(tcfg.seed)
         self.gen = torch.Generator().manual_seed(tcfg.seed)
-        self.optim: torch.optim.Optimizer = torch.optim.AdamW(
-            model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay
+        self.static: StaticSegmentStep | None = None
+        graphed = (
+            tcfg.cuda_graphs
+            and device.type == "cuda"
+            and tcfg.loss == "full"
+            and not tcfg.proteus_ffn_mask
+            and static_step_fits(self.batch_size, tcfg.segment_len, model.n_items)
         )
+        if graphed:
+            # a capturable AdamW with a device learning rate: the step replays in a graph
+            self.optim: torch.optim.Optimizer = torch.optim.AdamW(
+                model.parameters(),
+                lr=torch.tensor(tcfg.lr, device=device),
+                weight_decay=tcfg.weight_decay,
+                capturable=True,
+                foreach=True,
+            )
+            self.static = StaticSegmentStep(
+                model, self.optim, self.batch_size, tcfg.segment_len, device, graph=True
+            )
+        else:
+            self.optim = torch.optim.AdamW(
+                model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay
+            )
         self.update_mask: ProteusUpdateMask | None = None
         if tcfg.proteus_ffn_mask:
             mem = model.mem_cfg
@@ -382,14 +408,16 @@ class MemoryEpoch:
             it = seqs.items[rows]
             counts = np.bincount(it[it < model.n_items], minlength=model.n_items)
             self.sampler = ItemSampler(counts, device)
-        model.use_kjt = kjt_available(device)
+        # the graphed step takes the padded embedding lookups (no host syncs)
+        model.use_kjt = kjt_available(device) and self.static is None
 
     def __call__(self, epoch: int, control: TrainControl) -> float:
         batches = length_batches(self.lengths, self.batch_size, self.rng)
         total, count = torch.zeros(()), 0
         bar = tqdm(batches, desc=f"epoch {epoch + 1}", unit="batch", leave=False)
         for users in bar:
-            loss_sum, n = self._batch(users, control)
+            run = self._batch if self.static is None else self._batch_static
+            loss_sum, n = run(users, control)
             total = loss_sum + total
             count += n
             bar.set_postfix(step=control.step)
@@ -452,6 +480,37 @@ class MemoryEpoch:
             loss_sum = loss_sum + step_loss * n
             n_total += n
             if control.after_step(step_loss, n):
+                break
+        return loss_sum, n_total
+
+    def _batch_static(self, users: np.ndarray, control: TrainControl) -> tuple[torch.Tensor, int]:
+        """``_batch`` through the fixed-shape (CUDA-graphed) step (models/train_step.py)."""
+        assert self.static is not None
+        model, seg_len_max = self.model, self.tcfg.segment_len
+        lengths = self.lengths[users]
+        items, actions, ts, _ = (x.numpy() for x in padded_batch(self.seqs, users, lengths, "cpu"))
+        in_len = lengths - 1
+        zero = np.zeros((len(users), 1), np.int64)
+        targets = np.concatenate([items[:, 1:], zero], axis=1)
+        request_ts = np.concatenate([ts[:, 1:], ts[:, -1:]], axis=1)
+        state: MemoryState | None = None
+        loss_sum, n_total = torch.zeros((), device=self.device), 0
+        for s in range(0, int(in_len.max()), seg_len_max):
+            e = min(s + seg_len_max, int(in_len.max()))
+            seg_len = np.clip(in_len - s, 0, e - s)
+            weights = (np.arange(e - s)[None, :] < seg_len[:, None]) & (
+                targets[:, s:e] < model.n_items
+            )
+            seg = SegmentBatch(
+                items[:, s:e], actions[:, s:e], ts[:, s:e], request_ts[:, s:e],
+                np.where(weights, targets[:, s:e], 0), weights.astype(np.float32), seg_len,
+            )  # fmt: skip
+            n = int(weights.sum())
+            control.before_step()
+            loss, state = self.static.run(seg, state)
+            loss_sum = loss_sum + loss * n
+            n_total += n
+            if control.after_step(loss, n):
                 break
         return loss_sum, n_total
 
