@@ -33,7 +33,7 @@ plan_sweep() {
 }
 
 plan_smoke() {  # the CUDA paths and training speed, before a long plan
-  run_eval smoke-ml-1m ml-1m 3 'sasrec,memory-proteus[model.hybrid=mac;model.request_time=gap_clock],memory-proteus[model.hybrid=none;model.request_time=none]' \
+  run_eval smoke-ml-1m ml-1m 4 'sasrec,memory-proteus[model.hybrid=mac;model.request_time=gap_clock],memory-proteus[model.hybrid=mac;model.request_time=gap_clock;train.cuda_graphs=false],memory-proteus[model.hybrid=none;model.request_time=none]' \
     --set train.max_seconds="${MAX_S:-120}"
 }
 
