@@ -107,11 +107,13 @@ class TrainConfig:
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
     max_seconds: float = 0.0
     """Stop training after this many seconds (0 = no limit); the best checkpoint is kept."""
-    cuda_graphs: bool = True
+    cuda_graphs: bool = False
     """On a CUDA device, run the memory model's training step at a fixed batch shape,
-    captured once in a CUDA graph and replayed (models/train_step.py): the step is bound by
-    kernel launches, not arithmetic. Not with the sampled loss, proteus_ffn_mask or a
-    catalog too large to score every position against; no effect on the CPU."""
+    captured once in a CUDA graph and replayed (models/train_step.py). Off: on the H200
+    (torch 2.11) the capture fails, because two backward passes read a value on the host
+    (the embedding backward counts its distinct rows, cumprod's checks for zeros); a failed
+    capture falls back to eager steps. Not with the sampled loss or proteus_ffn_mask; no
+    effect on the CPU."""
     proteus_ffn_mask: bool = False
     """Paper section 2.4: apply the Proteus prefix mask (E = memory.n_blocks) to the
     feed-forward weight updates of the memory model, keyed on the optimizer step."""
