@@ -9,9 +9,10 @@
 # .gpu/data/D-split.npz) and .gpu/src (git archive HEAD | tar -x -C .gpu/src). Set GIT_COMMIT.
 #
 # Plans (every run passes only the seed; the recipe is the default):
-#   smoke   ML-1M, SASRec and two memory heads for MAX_S (120) seconds each
-#   sweep   head variants (hybrid x request time) and SASRec on every split, seed 0
-#   final   the suite comparison, 3 seeds on ML-1M and ML-100K, the bytes curve on ML-1M
+#   smoke   ML-1M: SASRec and two memory heads for MAX_S (120) seconds each
+#   final   the suite: the default memory model with 3 seeds on ML-1M and ML-100K; SASRec,
+#           pop, MAG and the ablations (no request time, gap only, no hybrid) with seed 0;
+#           the bytes curve on ML-1M; pop, SASRec, MAC and MAG on each of OTHER_SETS
 set -u
 W=/tmp/recmem-suite
 SPLITS=$W/data
@@ -24,23 +25,27 @@ run_eval() {  # run_eval NAME SPLIT JOBS MODELS [extra args]: one recmem eval in
   PIDS+=($!)
 }
 
-plan_sweep() {
-  local heads='sasrec,memory-proteus[model.hybrid=none;model.request_time=none],memory-proteus[model.hybrid=mac;model.request_time=gap_clock],memory-proteus[model.hybrid=mag;model.request_time=gap_clock],memory-proteus[model.hybrid=mac;model.request_time=gap],memory-proteus[model.hybrid=mac;model.request_time=none],memory-proteus[model.hybrid=none;model.request_time=gap_clock]'
-  local cap=(--set train.max_seconds="${MAX_S:-420}")
-  for d in $SWEEP_SETS; do
-    run_eval "sweep-$d" "$d" 7 "pop,$heads" "${cap[@]}"
-  done
-}
+MAC='memory-proteus'  # the default: model.hybrid = mac, model.request_time = gap_clock
+MAG='memory-proteus[model.hybrid=mag]'
+NO_TIME='memory-proteus[model.request_time=none]'
+GAP_ONLY='memory-proteus[model.request_time=gap]'
+NO_HYBRID='memory-proteus[model.hybrid=none]'
+SMALL='memory-proteus[memory.n_heads=4;memory.key_dim=16;memory.value_dim=16]'
+LARGE='memory-proteus[memory.n_heads=4;memory.key_dim=64;memory.value_dim=64]'
 
 plan_smoke() {  # the CUDA paths and training speed, before a long plan
-  run_eval smoke-ml-1m ml-1m 4 'sasrec,memory-proteus[model.hybrid=mac;model.request_time=gap_clock],memory-proteus[model.hybrid=mac;model.request_time=gap_clock;train.cuda_graphs=false],memory-proteus[model.hybrid=none;model.request_time=none]' \
-    --set train.max_seconds="${MAX_S:-120}"
+  run_eval smoke-ml-1m ml-1m 4 "sasrec,$MAC,$NO_HYBRID" --set train.max_seconds="${MAX_S:-120}"
 }
 
 plan_final() {
-  local cap=(--set train.max_seconds="${MAX_S:-900}")
-  for d in $FINAL_SETS; do
-    run_eval "final-$d" "$d" 4 "pop,sasrec,memory-static,memory-proteus" "${cap[@]}"
+  # seeds of the default memory model on ML-1M and ML-100K; everything else seed 0
+  local cap=(--set train.max_seconds="${MAX_S:-780}")
+  run_eval ml-1m-seeds ml-1m 3 "$MAC" --seeds 0,1,2 "${cap[@]}"
+  run_eval ml-1m-s0 ml-1m 7 "pop,sasrec,$MAG,$NO_TIME,$NO_HYBRID,$SMALL,$LARGE" "${cap[@]}"
+  run_eval ml-100k-seeds ml-100k 3 "$MAC" --seeds 0,1,2 "${cap[@]}"
+  run_eval ml-100k-s0 ml-100k 3 "pop,sasrec,$MAG,$NO_TIME,$GAP_ONLY,$NO_HYBRID" "${cap[@]}"
+  for d in $OTHER_SETS; do
+    run_eval "$d" "$d" 3 "pop,sasrec,$MAC,$MAG" "${cap[@]}"
   done
 }
 

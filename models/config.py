@@ -51,7 +51,7 @@ class ModelConfig:
     """Dropout on embeddings and layer outputs during training."""
     ffn_mult: int = 2
     """Feed-forward width multiplier in each layer (0 disables the feed-forward block)."""
-    hybrid: str = "none"
+    hybrid: str = "mac"
     """How the per-user memory is combined with attention over the user's latest ``window``
     events (Titans' hybrids; models/hybrid.py): none = the memory alone; mac = memory as
     context (the memory read-out is the attention's query and one of its tokens); mag =
@@ -61,7 +61,7 @@ class ModelConfig:
     """W: events in the attention window (with a hybrid); kept per user with the state."""
     attn_heads: int = 2
     """Attention heads of the hybrid's window attention."""
-    request_time: str = "none"
+    request_time: str = "gap_clock"
     """What the read-out knows of the request's time ("now"; offline, the target's own
     timestamp): none; gap = the time since the user's latest event (and, with a hybrid, the
     age of each window event); gap_clock = gap plus the hour of day and day of week (UTC)."""
