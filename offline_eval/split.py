@@ -237,12 +237,13 @@ def strict_time_split(
     dataset: Dataset, vocab_oov_buckets: int, valid_frac: float = 0.8, test_frac: float = 0.9
 ) -> TimeSplit:
     """SPEC section 7 split of ``dataset`` (whose events are already sorted by ts, user,
-    item; they are re-sorted here anyway, stably, so the rule holds for any input)."""
+    item; they are re-sorted here anyway, stably, by recmem.datasets.sort_events, so the
+    rule, integer ids as integers included, holds for any input)."""
     import polars as pl
 
-    ev = dataset.events.with_row_index("_row").sort(
-        ["ts_ms", "user_id", "item_id"], maintain_order=True
-    )
+    from recmem.datasets import sort_events
+
+    ev = sort_events(dataset.events.with_row_index("_row"))
     source_row = ev["_row"].to_numpy().astype(np.int64)
     n = ev.height
     if n < 3:
@@ -333,12 +334,15 @@ def split_cache_path(cfg: Config, dataset: str | None = None) -> Path:
     """Where the split for (dataset, fractions, OOV buckets) is cached. File datasets add
     their files' sizes and mtimes to the key; synthetic adds its size parameters."""
     spec = dataset or cfg.data.dataset
+    from recmem.datasets import EVENT_ORDER
+
     key: dict[str, Any] = {
         "dataset": spec,
         "valid": cfg.data.valid_frac,
         "test": cfg.data.test_frac,
         "oov": cfg.model.n_oov_buckets,
         "format": SPLIT_FORMAT,
+        "event_order": EVENT_ORDER,
     }
     if spec == "synthetic":
         key["synthetic"] = [

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from recmem.config import Config, ConfigError, field_docs, load_config
+from recmem.datasets import DATASET_SPECS
 
 log = logging.getLogger("recmem")
 
@@ -205,9 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "config":
             p.add_argument("--docs", action="store_true", help="list every field with its meaning")
         if name == "train":
-            p.add_argument(
-                "--dataset", help="ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH"
-            )
+            p.add_argument("--dataset", help=DATASET_SPECS)
             p.add_argument(
                 "--out", required=True, help="output directory for checkpoint and metrics.json"
             )
@@ -220,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "eval":
             p.add_argument(
                 "--dataset",
-                help="ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH | grouplens:DIR",
+                help=DATASET_SPECS,
             )
             p.add_argument(
                 "--models",
@@ -277,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--dataset",
                 required=True,
-                help="ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH",
+                help=DATASET_SPECS,
             )
             p.add_argument("--topic", help="target topic (default: kafka.topic)")
             p.add_argument("--bootstrap", help="HOST:PORT (default: kafka.bootstrap_servers)")

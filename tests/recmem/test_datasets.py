@@ -6,6 +6,7 @@ import polars as pl
 import pytest
 
 from models.sequences import ACTIONS
+from offline_eval.split import strict_time_split
 from recmem.config import DataConfig
 from recmem.datasets import load_dataset
 
@@ -82,3 +83,35 @@ def test_parquet(tmp_path: Path) -> None:
     ).write_parquet(dt_path)
     d = load_dataset(f"parquet:{dt_path}", DataConfig())
     assert d.events["ts_ms"].to_list() == [1_000_000_000_000]
+
+
+def test_integer_ids_sort_as_integers(tmp_path: Path) -> None:
+    """SPEC 7.1: ties in time are cut by (user, item), integer ids compared as integers."""
+    spec = _write_csv(
+        tmp_path / "ints.csv",
+        "user_id,item_id,timestamp\n10,2,5\n9,10,5\n9,9,5\n9,1,4\n100,7,6\n20,7,6\n",
+    )
+    ev = load_dataset(spec, DataConfig()).events
+    assert ev["user_id"].to_list() == ["9", "9", "9", "10", "20", "100"]
+    assert ev["item_id"].to_list() == ["1", "9", "10", "2", "7", "7"]
+    # the split cuts ties the same way: TRAIN = the first floor(0.5 * 6) = 3 events, all of
+    # user 9's (as strings, user "10" would come first at ts 5 and take a TRAIN slot)
+    split = strict_time_split(load_dataset(spec, DataConfig()), 4, 0.5, 0.8)
+    train = dict(zip(split.seqs.user_ids, split.train_prefix_lengths().tolist(), strict=True))
+    assert train == {"10": 0, "100": 0, "20": 0, "9": 3}
+    # global order inside the split: (20, 7) before (100, 7) at ts 6
+    row = split.seqs.global_idx.tolist().index(4)
+    assert split.seqs.user_ids[split.seqs.user_of_event()[row]] == "20"
+
+
+def test_integer_ids_parquet_and_mixed_columns(tmp_path: Path) -> None:
+    path = tmp_path / "ints.parquet"
+    pl.DataFrame(
+        {"user_id": [10, 9, 9], "item_id": ["b", "a", "10"], "timestamp": [1, 1, 1]}
+    ).write_parquet(path)
+    ev = load_dataset(f"parquet:{path}", DataConfig()).events
+    assert ev["user_id"].to_list() == ["9", "9", "10"]  # integer column: numeric order
+    assert ev["item_id"].to_list() == ["10", "a", "b"]  # mixed column: string order
+    # equal numbers written differently keep a deterministic (text) order
+    spec = _write_csv(tmp_path / "zeros.csv", "user_id,item_id,timestamp\n7,1,1\n07,1,1\n-3,1,1\n")
+    assert load_dataset(spec, DataConfig()).events["user_id"].to_list() == ["-3", "07", "7"]
