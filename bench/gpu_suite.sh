@@ -43,9 +43,9 @@ plan_final() {
   run_eval ml-1m-seeds ml-1m 3 "$MAC" --seeds 0,1,2 "${cap[@]}"
   run_eval ml-1m-s0 ml-1m 7 "pop,sasrec,$MAG,$NO_TIME,$NO_HYBRID,$SMALL,$LARGE" "${cap[@]}"
   run_eval ml-100k-seeds ml-100k 3 "$MAC" --seeds 0,1,2 "${cap[@]}"
-  run_eval ml-100k-s0 ml-100k 3 "pop,sasrec,$MAG,$NO_TIME,$GAP_ONLY,$NO_HYBRID" "${cap[@]}"
+  run_eval ml-100k-s0 ml-100k 2 "pop,sasrec,$MAG,$NO_TIME,$GAP_ONLY,$NO_HYBRID" "${cap[@]}"
   for d in $OTHER_SETS; do
-    run_eval "$d" "$d" 3 "pop,sasrec,$MAC,$MAG" "${cap[@]}"
+    run_eval "$d" "$d" 2 "pop,sasrec,$MAC,$MAG" "${cap[@]}"
   done
 }
 
@@ -79,8 +79,13 @@ wait)
   for f in $W/logs/*.log; do echo "== $f"; tr '\r' '\n' <"$f" | grep -E "INFO|Error|error" | tail -n 4; done
   tail -n 3 $W/smi.csv
   [ -f $W/DONE ] && echo "ALL DONE" || echo "STILL RUNNING"
-  tar czf "$OUT/results.tgz" -C $W --exclude=./src --exclude=./site --exclude=./data \
-    --exclude='split.npz' . && ls -la "$OUT"
+  # one archive per evaluation (files come back at most 16 MB each, 8 in all)
+  tar czf "$OUT/logs.tgz" -C $W --exclude=./src --exclude=./site --exclude=./data \
+    --exclude=./out . 
+  for d in $W/out/*/; do
+    tar czf "$OUT/$(basename "$d").tgz" -C $W/out --exclude='split.npz' "$(basename "$d")"
+  done
+  ls -la "$OUT"
   ;;
 *)
   echo "usage: bench/gpu_suite.sh start PLAN | wait [SECONDS]" >&2; exit 2
