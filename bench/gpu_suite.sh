@@ -37,6 +37,10 @@ plan_smoke() {  # the CUDA paths and training speed, before a long plan
   run_eval smoke-ml-1m ml-1m 4 "sasrec,$MAC,$NO_HYBRID" --set train.max_seconds="${MAX_S:-120}"
 }
 
+plan_seeds02() {  # ML-1M seeds 0 and 2 of the default model again (out of memory in "final")
+  run_eval ml-1m-seeds02 ml-1m 2 "$MAC" --seeds 0,2 --set train.max_seconds="${MAX_S:-780}"
+}
+
 plan_final() {
   # seeds of the default memory model on ML-1M and ML-100K; everything else seed 0
   local cap=(--set train.max_seconds="${MAX_S:-780}")
