@@ -26,7 +26,7 @@ def _cmd_config(args: argparse.Namespace, cfg: Config) -> int:
         for key, doc in field_docs().items():
             print(f"{key}: {doc}")
     else:
-        print(cfg.to_toml())
+        print(cfg.to_toml(redact_secrets=True))
     return 0
 
 
