@@ -55,6 +55,7 @@ RANGES: dict[str, str] = {
     "kafka.max_wait_ms": "[0, inf)",
     "kafka.session_timeout_ms": "[1, inf)",
     "kafka.heartbeat_interval_ms": "[1, inf)",
+    "kafka.min_ts_ms": "[0, inf)",
     "kafka.max_past_ms": "[0, inf)",
     "kafka.max_future_ms": "[0, inf)",
     "kafka.max_field_bytes": "[1, inf)",

@@ -22,6 +22,7 @@ from recmem.server.metrics import RankMetrics
 from recmem.server.servicer import Inspector, RecMemServicer
 from recmem.server.validation import Limits
 from recmem.vocab import ItemVocab
+from streams.validate import Limits as EventLimits
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,7 @@ def limits_from_config(cfg: Config) -> Limits:
         max_context_events=s.max_context_events,
         max_replay_notes=s.max_replay_notes,
         default_replay_notes=cfg.archive.replay_notes,
-        max_id_bytes=cfg.kafka.max_field_bytes,
-        max_past_ms=cfg.kafka.max_past_ms,
-        max_future_ms=cfg.kafka.max_future_ms,
+        events=EventLimits.from_config(cfg.kafka),
     )
 
 
