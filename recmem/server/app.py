@@ -136,6 +136,11 @@ class RankServer:
             "TLS" if self.tls else "plaintext",
             ", bearer token" if self.cfg.server.auth_token else "",
         )
+        if self.cfg.server.auth_token and not self.tls:
+            log.warning(
+                "server.auth_token is set but TLS is off: the bearer token crosses the network "
+                "in clear text (set server.tls_cert and server.tls_key)"
+            )
         return self
 
     def mark_ready(self) -> None:

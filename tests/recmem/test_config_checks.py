@@ -111,7 +111,9 @@ def test_backend_names_come_from_the_kernel_registry() -> None:
 def test_secrets_are_masked_when_printed(capsys: pytest.CaptureFixture[str]) -> None:
     secrets = {
         "kafka.sasl_password": "pw-1",
+        "kafka.metrics_token": "mt-2",
         "server.auth_token": "tok-3",
+        "server.metrics_token": "mt-4",
     }
     assert set(secrets) == set(config_checks.SECRETS)
     args = ["config"] + [a for k, v in secrets.items() for a in ("--set", f"{k}={v}")]
