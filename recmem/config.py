@@ -211,6 +211,10 @@ class ServerConfig:
     """gRPC handler threads (each waits on the micro-batcher; bounds concurrent requests)."""
     request_timeout_s: float = 30.0
     """Longest a rank call waits for its micro-batch (the client deadline applies if shorter)."""
+    shutdown_grace_s: float = 5.0
+    """On stop (SIGTERM/SIGINT) health turns NOT_SERVING at once and the server goes on
+    answering until no call has arrived for 0.5 s, then closes the port and lets the calls
+    still running finish: all within this many seconds."""
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest request message accepted."""
     torch_threads: int = 1

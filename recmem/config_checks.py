@@ -89,6 +89,7 @@ RANGES: dict[str, str] = {
     "server.max_message_bytes": "[1, 2147483647]",
     "server.torch_threads": "[0, inf)",
     "server.replay_cache_users": "[0, inf)",
+    "server.shutdown_grace_s": "[0, inf)",
 }
 """``section.field`` -> the interval its value must lie in (``[`` / ``]`` closed, ``(`` /
 ``)`` open). Every int and float field has one (a test checks)."""

@@ -175,8 +175,8 @@ class RecMemService:
         """Block until the ingest thread ends (error) or ``stop``; True when it ended."""
         return self._done.wait(timeout)
 
-    def stop(self, grace: float = 5.0) -> None:
-        self.server.stop(grace)
+    def stop(self, grace: float | None = None) -> None:
+        self.server.stop(grace)  # None: server.shutdown_grace_s
         if self.consumer is not None:
             self.consumer.stop()
             if self._thread is not None:
