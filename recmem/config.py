@@ -243,7 +243,7 @@ class ServerConfig:
     of in the batch. Off: under closed-loop load the requests of a batch arrive together
     and routing them while the gRPC threads parse the arrivals cost twice as much (CPU
     bench at c=8: p50 1-3 ms worse; on a 16-core GPU host p50 2-4 ms worse, because the
-    batcher then routes while it collects: bench/results/read_ahead_gpu/)."""
+    batcher then routes while it collects: bench/experiments/read_ahead_gpu/)."""
 
 
 @dataclass
