@@ -140,19 +140,14 @@ def out_of_range(dotted: str, value: float) -> str | None:
 
 
 def _backend_problem(cfg: Any) -> str | None:
-    name = cfg.memory.backend
-    if name == "auto":  # the default: no need to load the kernels (and torch) to accept it
-        return None
-    from models.memory.ops import backend_names
+    from models.memory.ops import backend_names  # the kernel registry (imports torch)
 
-    known = backend_names()
+    name, known = cfg.memory.backend, backend_names()
     return None if name in known else f"memory.backend {name!r} is not one of {'|'.join(known)}"
 
 
 def _head_problem(cfg: Any) -> str | None:
-    if cfg.model.hybrid == "none" and cfg.model.request_time == "none":
-        return None  # the defaults: no need to load the model code (and torch)
-    from models.hybrid import check_head_config
+    from models.hybrid import check_head_config  # the head's own rules (imports torch)
 
     try:
         check_head_config(cfg.model)
