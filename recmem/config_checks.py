@@ -3,9 +3,9 @@ enumerated ones, the rules that tie fields together, and which fields are secret
 
 ``recmem.config.load_config`` applies :func:`problems` after loading and overrides;
 ``recmem config --docs`` prints each field's range next to its documentation; secrets are
-shown as ``***`` wherever a configuration is printed or written out (``Config.to_dict(
-redact=True)``). Plain data and functions of a ``Config``-shaped object, so that this
-module imports nothing of the configuration itself.
+shown as ``***`` wherever a configuration is printed or written out
+(``Config.to_dict(redact_secrets=True)``). Plain data and functions of a ``Config``-shaped
+object, so that this module imports nothing of the configuration itself.
 """
 
 from __future__ import annotations
