@@ -31,8 +31,10 @@ class MemoryConfig:
     theta_max: float = 1.0
     """Upper bound of the write rate theta = theta_max * sigmoid(.)."""
     backend: str = "auto"
-    """Memory kernel: auto | reference | recurrent | chunk | triton | fla. auto picks triton/fla
-    on CUDA and the vectorised recurrent path (inference) or chunk form (training) on CPU."""
+    """Memory kernel: auto, or a backend of models/memory/ops.py: reference | recurrent |
+    chunk | chunk_aligned | triton | fla_chunk | fla_recurrent (fla_*: CUDA machines with
+    flash-linear-attention; fla = fla_chunk). auto picks triton on CUDA and the recurrent or
+    aligned chunked path (inference) or the chunk form (training) on CPU."""
     chunk_size: int = 16
     """Chunk length of the chunked (parallel) form used for training."""
 

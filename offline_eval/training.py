@@ -178,7 +178,7 @@ def run_train(cfg: Config, out_dir: str | os.PathLike[str], kind: str = "memory"
         "train_targets_per_s": result.targets_per_second(),
         "total_seconds": time.perf_counter() - t0,
         "checkpoint": str(path),
-        "config": cfg.to_dict(),
+        "config": cfg.to_dict(redact_secrets=True),
     }
     _write_json(out / "metrics.json", metrics)
     return metrics

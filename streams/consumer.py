@@ -19,11 +19,18 @@ from types import FrameType
 from typing import Any
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 from kafka.structs import OffsetAndMetadata
 
 from streams.admin import client_settings
 from streams.config import KafkaConfig
+from streams.dead_letters import (
+    DLQ_MAX_REQUEST_BYTES,
+    DeadLetterError,
+    DeadLetterRecord,
+    dead_letter_record,
+    minimal_dead_letter,
+)
 from streams.metrics import IngestMetrics
 from streams.sink import BatchSink
 from streams.validate import DeadLetter, Limits, ValidEvent, validate_record
@@ -34,30 +41,6 @@ LAG_INTERVAL_S = 1.0
 """How often consumer lag is recomputed."""
 DLQ_FLUSH_TIMEOUT_S = 30.0
 """Longest wait for dead letters to be acknowledged before the batch is given up."""
-DLQ_MAX_VALUE_BYTES = 512 * 1024
-"""Dead-letter values are cut to this size (header ``value_truncated`` = original length), so
-an oversized record cannot become a poison pill that the dead-letter topic refuses."""
-
-
-def dead_letter_headers(dead: DeadLetter) -> list[tuple[str, bytes]]:
-    """Headers of a dead-letter record: why, and where the original came from."""
-    headers = [
-        ("reason", dead.reason.encode()),
-        ("message", dead.message.encode()[:1024]),
-        ("source_topic", dead.topic.encode()),
-        ("source_partition", str(dead.partition).encode()),
-        ("source_offset", str(dead.offset).encode()),
-    ]
-    if dead.value is not None and len(dead.value) > DLQ_MAX_VALUE_BYTES:
-        headers.append(("value_truncated", str(len(dead.value)).encode()))
-    return headers
-
-
-def dead_letter_value(dead: DeadLetter) -> bytes | None:
-    """The value a dead letter is written with: the original bytes, cut when oversized."""
-    if dead.value is None:
-        return None if dead.key is not None else b""
-    return dead.value[:DLQ_MAX_VALUE_BYTES]
 
 
 class _Listener(ConsumerRebalanceListener):
@@ -146,9 +129,13 @@ class EventConsumer:
         # the endpoint is ours to stop only if this run started it
         self._own_endpoint = self.metrics.port == 0 and cfg.metrics_port > 0
         try:
-            self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            self.metrics.serve(cfg.metrics_port, cfg.metrics_host, cfg.metrics_token)
             self._producer = KafkaProducer(
-                client_id=f"{self.client_id}-dlq", acks="all", linger_ms=0, **settings
+                client_id=f"{self.client_id}-dlq",
+                acks="all",
+                linger_ms=0,
+                max_request_size=DLQ_MAX_REQUEST_BYTES,
+                **settings,
             )
             self._consumer = KafkaConsumer(
                 client_id=self.client_id,
@@ -228,9 +215,9 @@ class EventConsumer:
         self.metrics.batch_seconds.observe(time.perf_counter() - start)
 
     def _send_dead_letters(self, dead: list[DeadLetter]) -> None:
-        """Send and flush; raises when the dead-letter topic did not take them all."""
-        assert self._producer is not None
-        futures = []
+        """Send and flush; a dead letter the broker refuses as too large is sent again as
+        headers only. Raises DeadLetterError, naming the first record, when the dead-letter
+        topic did not take them all."""
         for d in dead:
             log.debug(
                 "dead letter %s at %s/%d@%d: %s",
@@ -240,24 +227,49 @@ class EventConsumer:
                 d.offset,
                 d.message,
             )
-            futures.append(
-                self._producer.send(
-                    self.cfg.dead_letter_topic,
-                    key=d.key[:DLQ_MAX_VALUE_BYTES] if d.key is not None else None,
-                    value=dead_letter_value(d),
-                    headers=dead_letter_headers(d),
-                )
+        failed = self._send_and_flush([(d, dead_letter_record(d)) for d in dead])
+        too_large = (MessageSizeTooLargeError, RecordListTooLargeError)
+        retry = [d for d, e in failed if isinstance(e, too_large)]
+        if retry:
+            log.warning(
+                "%d dead letters refused as too large by %s; written again as headers only",
+                len(retry),
+                self.cfg.dead_letter_topic,
             )
-        self._producer.flush(timeout=DLQ_FLUSH_TIMEOUT_S)
-        failed = [f for f in futures if not f.succeeded()]
+            failed = [(d, e) for d, e in failed if not isinstance(e, too_large)]
+            failed += self._send_and_flush([(d, minimal_dead_letter(d)) for d in retry])
         if failed:
-            raise RuntimeError(
+            d, e = failed[0]
+            raise DeadLetterError(
                 f"{len(failed)} of {len(dead)} dead letters were not written to "
-                f"{self.cfg.dead_letter_topic}: {failed[0].exception!r}"
+                f"{self.cfg.dead_letter_topic}; the first is record {d.topic}/{d.partition}"
+                f"@{d.offset} (reason {d.reason}): {e!r}"
             )
         for d in dead:
             self.metrics.dead_letters.labels(reason=d.reason).inc()
         log.info("%d records sent to %s", len(dead), self.cfg.dead_letter_topic)
+
+    def _send_and_flush(
+        self,
+        records: list[tuple[DeadLetter, DeadLetterRecord]],
+    ) -> list[tuple[DeadLetter, BaseException]]:
+        """Send each dead letter, flush, and return those that failed with their error."""
+        assert self._producer is not None
+        sent, failed = [], []
+        for d, (key, value, headers) in records:
+            try:
+                fut = self._producer.send(
+                    self.cfg.dead_letter_topic, key=key, value=value, headers=headers
+                )
+            except KafkaError as e:  # refused before sending (e.g. by the size check)
+                failed.append((d, e))
+            else:
+                sent.append((d, fut))
+        self._producer.flush(timeout=DLQ_FLUSH_TIMEOUT_S)
+        for d, fut in sent:
+            if not fut.succeeded():
+                failed.append((d, fut.exception or TimeoutError("not acknowledged in time")))
+        return failed
 
     def _checkpoint_and_commit(self) -> None:
         if not self._assigned or self._consumer is None:

@@ -7,14 +7,21 @@ so one endpoint shows the whole ingest path.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import logging
-from collections.abc import Sequence
+import socket
+from collections.abc import Callable, Iterable, Sequence
+from socketserver import ThreadingMixIn
 from threading import Thread
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 log = logging.getLogger(__name__)
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -64,12 +71,28 @@ class IngestMetrics:
         """A gauge on this registry, named ``<prefix>_<name>`` (for the sink's figures)."""
         return Gauge(f"{self.prefix}_{name}", documentation, labelnames, registry=self.registry)
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``host:port`` (0 = no endpoint); returns the port."""
+    def serve(self, port: int, host: str = "127.0.0.1", token: str = "") -> int:
+        """Serve ``/metrics`` on ``host:port`` (0 = no endpoint); returns the port. With a
+        ``token`` every request must carry ``Authorization: Bearer <token>`` (401 otherwise);
+        the endpoint is plain HTTP, so a token on a non-loopback address gets a warning."""
         if port <= 0 or self._server is not None:
             return self.port
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        log.info("ingest metrics on http://%s:%d/metrics", host, self.port)
+        app: WsgiApp = make_wsgi_app(self.registry)
+        if token:
+            app = _require_bearer(app, token)
+            if not _is_loopback(host):
+                log.warning(
+                    "the metrics endpoint on %s requires a bearer token but is plain HTTP: "
+                    "the token crosses the network in clear text",
+                    host,
+                )
+        server_class = type(
+            "MetricsServer", (_ThreadingWSGIServer,), {"address_family": _family(host, port)}
+        )
+        self._server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        self._thread = Thread(target=self._server.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
         return self.port
 
     @property
@@ -84,3 +107,39 @@ class IngestMetrics:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # one line per scrape otherwise
+        pass
+
+
+def _family(host: str, port: int) -> socket.AddressFamily:
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _require_bearer(app: WsgiApp, token: str) -> WsgiApp:
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        got = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1")  # WSGI's header coding
+        if not hmac.compare_digest(got, expected):
+            start_response(
+                "401 Unauthorized",
+                [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="metrics"')],
+            )
+            return [b"missing or invalid bearer token\n"]
+        return app(environ, start_response)
+
+    return guarded

@@ -13,8 +13,10 @@ Rules (SPEC section 2, issue 4), checked in this order; the first failure is the
   (or not keyed) could be applied out of order or by two owners: it is rejected, not repaired;
 - ``bad_action``: an Action enum value this version does not know;
 - ``bad_value``: ``value`` is NaN or infinite;
-- ``ts_too_old`` / ``ts_too_new``: ``ts_ms`` before ``now - max_past_ms`` or after
-  ``now + max_future_ms`` (0 disables either bound).
+- ``ts_in_seconds``: ``ts_ms`` before ``min_ts_ms``, and ``ts_ms * 1000`` would pass the
+  time bounds: a producer sending seconds since the epoch;
+- ``ts_too_old`` / ``ts_too_new``: ``ts_ms`` before ``min_ts_ms`` or ``now - max_past_ms``, or
+  after ``now + max_future_ms`` (0 disables each bound).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ REASONS: tuple[str, ...] = (
     "key_mismatch",
     "bad_action",
     "bad_value",
+    "ts_in_seconds",
     "ts_too_old",
     "ts_too_new",
 )
@@ -77,10 +80,34 @@ class Limits:
     max_past_ms: int = 0
     max_future_ms: int = 0
     max_field_bytes: int = 256
+    min_ts_ms: int = 0
 
     @classmethod
     def from_config(cls, cfg: KafkaConfig) -> Limits:
-        return cls(cfg.max_past_ms, cfg.max_future_ms, cfg.max_field_bytes)
+        return cls(cfg.max_past_ms, cfg.max_future_ms, cfg.max_field_bytes, cfg.min_ts_ms)
+
+    def _in_window(self, ts_ms: int, now_ms: int) -> bool:
+        return (
+            ts_ms >= self.min_ts_ms
+            and (self.max_past_ms <= 0 or ts_ms >= now_ms - self.max_past_ms)
+            and (self.max_future_ms <= 0 or ts_ms <= now_ms + self.max_future_ms)
+        )
+
+    def ts_problem(self, ts_ms: int, now_ms: int) -> tuple[str, str] | None:
+        """(reason, message) when ``ts_ms`` is outside the configured time bounds, else None
+        (the Kafka consumer and the rank service's context events both apply this)."""
+        if self._in_window(ts_ms, now_ms):
+            return None
+        if ts_ms < self.min_ts_ms:
+            if self._in_window(ts_ms * 1000, now_ms):
+                return "ts_in_seconds", (
+                    f"ts_ms {ts_ms} is before kafka.min_ts_ms ({self.min_ts_ms}) and looks like "
+                    "seconds since the epoch: ts_ms counts milliseconds"
+                )
+            return "ts_too_old", f"ts_ms {ts_ms} is before kafka.min_ts_ms ({self.min_ts_ms})"
+        if ts_ms < now_ms:
+            return "ts_too_old", f"ts_ms {ts_ms} is more than {self.max_past_ms} ms before now"
+        return "ts_too_new", f"ts_ms {ts_ms} is more than {self.max_future_ms} ms after now"
 
 
 def validate_record(
@@ -127,14 +154,9 @@ def validate_record(
         return dead("bad_action", f"unknown action enum value {event.action}")
     if not math.isfinite(event.value):
         return dead("bad_value", f"value is {event.value}")
-    if limits.max_past_ms > 0 and event.ts_ms < now_ms - limits.max_past_ms:
-        return dead(
-            "ts_too_old", f"ts_ms {event.ts_ms} is more than {limits.max_past_ms} ms before now"
-        )
-    if limits.max_future_ms > 0 and event.ts_ms > now_ms + limits.max_future_ms:
-        return dead(
-            "ts_too_new", f"ts_ms {event.ts_ms} is more than {limits.max_future_ms} ms after now"
-        )
+    time_problem = limits.ts_problem(event.ts_ms, now_ms)
+    if time_problem is not None:
+        return dead(*time_problem)
     return ValidEvent(
         user_id=event.user_id,
         item_id=event.item_id,

@@ -38,7 +38,7 @@ def kafka_config(kafka_broker: EmbeddedBroker) -> KafkaConfigFactory:
     """Factory: ``kafka_config(partitions=4, **overrides)`` -> a KafkaConfig on the session
     broker with a fresh input topic (created with ``partitions``), dead-letter topic and
     group, fast group timeouts (tansu makes a join wait half the session timeout), no time
-    window and the metrics endpoint off."""
+    bounds and the metrics endpoint off."""
 
     def make(partitions: int = 4, **overrides: object) -> KafkaConfig:
         tag = uuid.uuid4().hex[:10]
@@ -50,6 +50,7 @@ def kafka_config(kafka_broker: EmbeddedBroker) -> KafkaConfigFactory:
             session_timeout_ms=3000,
             heartbeat_interval_ms=500,
             max_wait_ms=100,
+            min_ts_ms=0,
             max_past_ms=0,
             max_future_ms=0,
             partitions=partitions,

@@ -30,7 +30,14 @@ from models.memory.triton_momentum import memory_scan_triton
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "flush_denormals", "memory_readout", "memory_scan", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "backend_names",
+    "flush_denormals",
+    "memory_readout",
+    "memory_scan",
+    "resolve_backend",
+]
 
 ScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
@@ -41,6 +48,8 @@ BACKENDS: dict[str, ScanFn] = {
     "chunk_aligned": memory_scan_chunk_aligned,
     "triton": memory_scan_triton,
 }
+FLA_BACKENDS = ("fla_chunk", "fla_recurrent")
+"""Registered in BACKENDS only on CUDA machines with flash-linear-attention."""
 ALIASES = {"fla": "fla_chunk"}
 TAKES_CHUNK_SIZE = ("chunk", "chunk_aligned")
 
@@ -66,11 +75,16 @@ def _register_fla() -> None:
         return
     from models.memory.fla_gated import memory_scan_fla_chunk, memory_scan_fla_recurrent
 
-    BACKENDS["fla_chunk"] = memory_scan_fla_chunk
-    BACKENDS["fla_recurrent"] = memory_scan_fla_recurrent
+    BACKENDS.update(zip(FLA_BACKENDS, (memory_scan_fla_chunk, memory_scan_fla_recurrent)))
 
 
 _register_fla()
+
+
+def backend_names() -> list[str]:
+    """Every name ``memory.backend`` may take: ``auto``, the backends (including those this
+    machine cannot run, such as fla's on a CPU-only host) and their aliases."""
+    return ["auto", *sorted({*BACKENDS, *FLA_BACKENDS, *ALIASES})]
 
 
 def resolve_backend(

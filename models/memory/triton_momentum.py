@@ -154,7 +154,7 @@ def _launch(
     momentum = eta is not None and M_slab is not None
     BV = min(_next_pow2(V), block_v)
     if num_warps is None:
-        # Measured on an H200 (bench/results/memory_gpu_h200_triton_sweep.json): one warp
+        # Measured on an H200 (bench/experiments/memory_gpu_h200_triton_sweep.json): one warp
         # per program wins for sequences of several events, two for single events.
         num_warps = 1 if total >= 4 * B else 2
     grid = (B, H, -(-V // BV))

@@ -10,7 +10,6 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-import torch
 
 from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources, masked_cosines
 from recmem.archive.persist import pack_users, unpack_users
@@ -273,37 +272,6 @@ class NoteBank:
             addrs.append(self.address(arr))
         return self._route_addresses_many(
             [u for u, _, _ in requests], addrs, [r for _, _, r in requests]
-        )
-
-    def route_batch(
-        self,
-        user_ids: Sequence[str],
-        q: Any,
-        lengths: Any,
-        r: int | Sequence[int] | None = None,
-    ) -> list[list[Note]]:
-        """``route`` for a right-padded batch of requests: q~ [B, T, L, H, K] or
-        [B, T, C_ch, K] (any device), ``lengths`` [B] (user b's query positions are
-        q[b, :lengths[b]]), ``r`` one R for all or one per request. Only the P coordinates
-        leave the device, in one copy."""
-        lens = _numpy(lengths, np.int64).reshape(-1)
-        if len(lens) != len(user_ids):
-            raise ValueError("user_ids and lengths differ in batch size")
-        rs = [r] * len(user_ids) if r is None or isinstance(r, int) else list(r)
-        if len(rs) != len(user_ids):
-            raise ValueError("r must be one value or one per request")
-        if hasattr(q, "detach"):
-            if q.shape[-1] != self.key_dim:
-                raise ValueError(f"queries end in {q.shape[-1]} dims, key_dim is {self.key_dim}")
-            u = _numpy(q.detach()[..., torch.as_tensor(self.coords, device=q.device)], np.float32)
-        else:
-            u = self.address(q)
-        if u.ndim == 5:  # [B, T, L, H, d_rho]
-            u = u.reshape(*u.shape[:2], -1, u.shape[-1])
-        if u.ndim != 4 or u.shape[0] != len(user_ids):
-            raise ValueError(f"queries must be [B, T, L, H, K] or [B, T, C_ch, K], got {q.shape}")
-        return self._route_addresses_many(
-            list(user_ids), [u[b, : lens[b]] for b in range(len(user_ids))], rs
         )
 
     def route_addresses(self, user_id: str, u: Any, r: int | None = None) -> list[Note]:

@@ -7,7 +7,7 @@ every target ask whether the target's key (the item, or its category key on data
 without repeats) occurs among the events of the R routed notes, of the R most recent
 notes, of R random notes, and of any note (the ceiling for any router). It is a cheap
 proxy to narrow C, w, W, B, d_rho and R before the end-to-end replay evaluation, which is
-the one that decides (``bench/notebank_tuning.py``; the defaults were chosen with it,
+the one that decides (``bench/experiments/notebank_tuning.py``; the defaults were chosen with it,
 reports/ml-100k-notebank-tuning/).
 """
 

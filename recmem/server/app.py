@@ -18,14 +18,18 @@ from recmem.config import Config
 from recmem.ranking import BatchRanker, RankQuery, RankResult
 from recmem.server.auth import BearerTokenInterceptor, server_credentials
 from recmem.server.batcher import MicroBatcher
+from recmem.server.guards import CallArrivals, DecodeGuard
 from recmem.server.metrics import RankMetrics
 from recmem.server.servicer import Inspector, RecMemServicer
 from recmem.server.validation import Limits
 from recmem.vocab import ItemVocab
+from streams.validate import Limits as EventLimits
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = rank_pb2.DESCRIPTOR.services_by_name["RecMem"].full_name
+DRAIN_QUIET_S = 0.5
+"""A stopping server closes its port once no RecMem call has arrived for this long."""
 
 
 def limits_from_config(cfg: Config) -> Limits:
@@ -36,9 +40,7 @@ def limits_from_config(cfg: Config) -> Limits:
         max_context_events=s.max_context_events,
         max_replay_notes=s.max_replay_notes,
         default_replay_notes=cfg.archive.replay_notes,
-        max_id_bytes=cfg.kafka.max_field_bytes,
-        max_past_ms=cfg.kafka.max_past_ms,
-        max_future_ms=cfg.kafka.max_future_ms,
+        events=EventLimits.from_config(cfg.kafka),
     )
 
 
@@ -58,7 +60,7 @@ class RankServer:
     """Owns the grpc.Server, the batcher and the health servicer.
 
     ``start()`` binds ``server.host:server.port`` (port 0 picks a free port; see ``port``),
-    ``stop(grace)`` reports NOT_SERVING, lets in-flight calls finish, then stops the batcher.
+    ``stop(grace)`` reports NOT_SERVING, drains, then stops the batcher.
     """
 
     def __init__(
@@ -87,7 +89,12 @@ class RankServer:
             adaptive=s.adaptive_window,
             prepare=getattr(ranker, "prepare", None) if s.read_ahead else None,
         )
-        interceptors = [BearerTokenInterceptor(s.auth_token)] if s.auth_token else []
+        self.arrivals = CallArrivals()
+        guard = DecodeGuard(lambda method: self.metrics.undecodable.labels(method=method).inc())
+        interceptors: list[grpc.ServerInterceptor] = [self.arrivals]
+        if s.auth_token:
+            interceptors.append(BearerTokenInterceptor(s.auth_token))
+        interceptors.append(guard)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.threads, thread_name_prefix="grpc"),
             interceptors=interceptors,
@@ -137,6 +144,11 @@ class RankServer:
             "TLS" if self.tls else "plaintext",
             ", bearer token" if self.cfg.server.auth_token else "",
         )
+        if self.cfg.server.auth_token and not self.tls:
+            log.warning(
+                "server.auth_token is set but TLS is off: the bearer token crosses the network "
+                "in clear text (set server.tls_cert and server.tls_key)"
+            )
         return self
 
     def mark_ready(self) -> None:
@@ -151,8 +163,16 @@ class RankServer:
         timed_out = self.server.wait_for_termination(timeout)
         return not timed_out
 
-    def stop(self, grace: float = 5.0) -> None:
+    def stop(self, grace: float | None = None) -> None:
+        """Drain, then stop, within ``grace`` seconds (default ``server.shutdown_grace_s``):
+        health turns NOT_SERVING at once; calls are answered as before until none has arrived
+        for DRAIN_QUIET_S (clients and load balancers watching health go elsewhere); then the
+        port closes and the calls still running get the rest of ``grace`` (at least its last
+        second, or half of a shorter ``grace``) to finish; then the batcher stops."""
+        grace = self.cfg.server.shutdown_grace_s if grace is None else grace
+        deadline = time.monotonic() + grace
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        self.arrivals.wait_quiet(DRAIN_QUIET_S, deadline - min(1.0, grace / 2))
+        self.server.stop(max(0.0, deadline - time.monotonic())).wait()
         self.batcher.stop()
         log.info("rank service stopped")

@@ -31,6 +31,12 @@ class RankMetrics:
         self.cold_starts = Counter(
             f"{prefix}_cold_starts", "Rank calls answered from popularity", registry=r
         )
+        self.undecodable = Counter(
+            f"{prefix}_undecodable_requests",
+            "Calls whose payload did not parse (answered INVALID_ARGUMENT), by method",
+            ["method"],
+            registry=r,
+        )
         self.replay_cache_hits = Counter(
             f"{prefix}_replay_cache_hits",
             "Replay rank calls answered from the replay cache (server.replay_cache_users)",

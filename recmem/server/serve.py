@@ -155,7 +155,8 @@ class RecMemService:
         # with ingest on, health says SERVING only once the first partitions are restored
         self.server.start(ready=self.consumer is None)
         if self.cfg.server.metrics_port > 0:
-            self.metrics.serve(self.cfg.server.metrics_port, self.cfg.server.host)
+            s = self.cfg.server
+            self.metrics.serve(s.metrics_port, s.metrics_host, s.metrics_token)
         if self.consumer is not None:
             self._thread = threading.Thread(target=self._consume, name="ingest", daemon=True)
             self._thread.start()
@@ -174,8 +175,8 @@ class RecMemService:
         """Block until the ingest thread ends (error) or ``stop``; True when it ended."""
         return self._done.wait(timeout)
 
-    def stop(self, grace: float = 5.0) -> None:
-        self.server.stop(grace)
+    def stop(self, grace: float | None = None) -> None:
+        self.server.stop(grace)  # None: server.shutdown_grace_s
         if self.consumer is not None:
             self.consumer.stop()
             if self._thread is not None:

@@ -268,13 +268,10 @@ class EngineSources:
 
 
 def _tier(engine: Engine, user_id: str) -> str:
-    """ "device" | "host" | "disk": the store's ``tier_of`` when it has one, else read off
-    ``users()`` (slab users first, then host, then disk) against ``tier_counts()``, which
-    walks every user but only runs for an inspection call."""
+    """ "device" | "host" | "disk", read off ``users()`` (slab users first, then host, then
+    disk) against ``tier_counts()``, which walks every user but only runs for an inspection
+    call."""
     store = engine.store
-    tier_of = getattr(store, "tier_of", None)
-    if callable(tier_of):
-        return str(tier_of(user_id))
     counts = store.tier_counts()
     for i, user in enumerate(store.users()):
         if user == user_id:

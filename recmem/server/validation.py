@@ -1,7 +1,7 @@
 """RankRequest -> RankQuery, or an InvalidRequest naming the problem (the servicer turns it
 into INVALID_ARGUMENT). Every limit comes from the ``server`` configuration section; ids
-are bounded by ``kafka.max_field_bytes`` and context event times by the same window the
-Kafka consumer applies (``kafka.max_past_ms`` / ``kafka.max_future_ms``)."""
+and context event times are bounded as the Kafka consumer bounds them (``kafka.max_field_bytes``,
+``kafka.min_ts_ms``, ``kafka.max_past_ms``, ``kafka.max_future_ms``: ``events``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from proto.recmem.v1 import rank_pb2
 from recmem.ranking import RankQuery, UserEvents
 from recmem.vocab import ItemVocab
 from streams.codec import action_from_wire
+from streams.validate import Limits as EventLimits
 
 _SHOW = 5
 """How many offending ids an error message lists."""
@@ -31,16 +32,14 @@ class Limits:
     max_context_events: int
     max_replay_notes: int
     default_replay_notes: int
-    max_id_bytes: int
-    max_past_ms: int
-    max_future_ms: int
+    events: EventLimits
 
 
 def _check_id(value: str, what: str, limits: Limits) -> None:
     if not value:
         raise InvalidRequest(f"{what} is empty")
-    if len(value.encode("utf-8")) > limits.max_id_bytes:
-        raise InvalidRequest(f"{what} is longer than {limits.max_id_bytes} bytes")
+    if len(value.encode("utf-8")) > limits.events.max_field_bytes:
+        raise InvalidRequest(f"{what} is longer than {limits.events.max_field_bytes} bytes")
 
 
 def _action_index(action: int, where: str) -> int:
@@ -69,14 +68,14 @@ def _context(req: rank_pb2.RankRequest, vocab: ItemVocab, limits: Limits) -> Use
         if ev.user_id and ev.user_id != req.user_id:
             raise InvalidRequest(f"{where}: user_id {ev.user_id!r} differs from the request's")
         _check_id(ev.item_id, f"{where}.item_id", limits)
-        if ev.HasField("session_id") and len(ev.session_id.encode()) > limits.max_id_bytes:
-            raise InvalidRequest(f"{where}: session_id is longer than {limits.max_id_bytes} bytes")
+        max_bytes = limits.events.max_field_bytes
+        if ev.HasField("session_id") and len(ev.session_id.encode()) > max_bytes:
+            raise InvalidRequest(f"{where}: session_id is longer than {max_bytes} bytes")
         if ev.ts_ms <= 0:
             raise InvalidRequest(f"{where}: ts_ms is missing or not positive")
-        if limits.max_past_ms and ev.ts_ms < now - limits.max_past_ms:
-            raise InvalidRequest(f"{where}: ts_ms {ev.ts_ms} is too far in the past")
-        if limits.max_future_ms and ev.ts_ms > now + limits.max_future_ms:
-            raise InvalidRequest(f"{where}: ts_ms {ev.ts_ms} is too far in the future")
+        time_problem = limits.events.ts_problem(ev.ts_ms, now)
+        if time_problem is not None:
+            raise InvalidRequest(f"{where}: {time_problem[1]}")
         if ev.ts_ms < prev:
             raise InvalidRequest(f"{where}: context events must be oldest first")
         if not math.isfinite(ev.value):

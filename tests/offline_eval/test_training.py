@@ -41,9 +41,12 @@ def test_run_train_writes_checkpoint_and_metrics(tmp_path: Path) -> None:
     csv = tmp_path / "events.csv"
     write_csv(csv)
     cfg = tiny_cfg(tmp_path, f"csv:{csv}")
+    cfg.server.auth_token, cfg.kafka.sasl_password = "token-t0p", "passw0rd-x"
     out = tmp_path / "model"
     metrics = run_train(cfg, out)
-    saved = json.loads((out / "metrics.json").read_text())
+    text = (out / "metrics.json").read_text()
+    assert "token-t0p" not in text and "passw0rd-x" not in text  # secrets are masked
+    saved = json.loads(text)
     assert saved["best_valid"] == pytest.approx(metrics["best_valid"])
     assert set(saved["best_valid"]) >= {"hr@10", "ndcg@10", "mrr@10", "hr@50", "n"}
     assert saved["best_valid"]["n"] > 0
@@ -52,6 +55,7 @@ def test_run_train_writes_checkpoint_and_metrics(tmp_path: Path) -> None:
     assert saved["split"]["n_train"] == int(0.8 * 600)
     assert saved["config"]["memory"]["key_dim"] == 8 and saved["device"] == "cpu"
     model, vocab, cfg2, extra = load_model(out)
+    assert cfg2.server.auth_token == cfg2.kafka.sasl_password == "***"
     assert vocab.n_items == saved["split"]["n_items"]
     assert extra["split"]["boundary_valid_ts"] == saved["split"]["boundary_valid_ts"]
     # The checkpoint holds the best epoch's weights: re-evaluating gives best_valid.

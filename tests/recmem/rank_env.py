@@ -44,6 +44,7 @@ def small_config(spill_dir: Path) -> Config:
     cfg.state.host_capacity = 2
     cfg.state.spill_dir = str(spill_dir)
     cfg.server.port = 0
+    cfg.kafka.min_ts_ms = 0  # the test histories start at t = 1,000,000 ms
     cfg.kafka.max_past_ms = 0
     cfg.kafka.max_future_ms = 0
     return cfg

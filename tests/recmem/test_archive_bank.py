@@ -358,26 +358,6 @@ def test_concurrent_observe_and_route():
     assert not errors and bank.note_count("a") == 4
 
 
-def test_route_batch_matches_single_routes():
-    bank = NoteBank(small_cfg(), K, CH, seed=0)
-    streams = {u: make_stream(48, seed=20 + i, planted=(3, 20, 40)) for i, u in enumerate("ab")}
-    for u, s in streams.items():
-        bank.observe(u, *s.part(0, 48))
-    queries = make_stream(5, seed=30).q  # [5, CH, K]
-    q = np.zeros((3, 5, L, H, K), np.float32)
-    q[0, :5] = queries.reshape(5, L, H, K)
-    q[1, :2] = queries[:2].reshape(2, L, H, K)
-    lengths = [5, 2, 0]
-    got = bank.route_batch(["a", "b", "a"], torch.from_numpy(q), lengths, r=[3, 1, 2])
-    want = [bank.route("a", queries, r=3), bank.route("b", queries[:2], r=1), []]
-    assert [[n.serial for n in x] for x in got] == [[n.serial for n in x] for x in want]
-    assert got[0] and got[1]
-    numpy_got = bank.route_batch(["a", "b", "a"], q.reshape(3, 5, CH, K), lengths, r=2)
-    assert [len(x) for x in numpy_got][2] == 0
-    with pytest.raises(ValueError, match="batch size"):
-        bank.route_batch(["a"], torch.from_numpy(q), lengths)
-
-
 def test_route_many_equals_routing_each_request_alone():
     """One batched vote over users with different note counts and query lengths, an unknown
     user, r = 0 and all-zero queries: each answer is the single-request route's and the

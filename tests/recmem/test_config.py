@@ -31,7 +31,7 @@ def test_precedence_file_env_override(tmp_path):
         ("bogus.x=1", "unknown section"),
         ("memory.n_blocks", "section.field=value"),
         ("memory.backend=cuda9", "is not one of"),
-        ("memory.n_blocks=1000", "n_blocks must be in"),
+        ("memory.n_blocks=1000", "n_blocks must be <= memory.key_dim"),
     ],
 )
 def test_bad_values_give_clear_errors(override, message):

@@ -3,18 +3,27 @@ the sink, and the consumer keeps running (real tansu broker)."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaConsumer, TopicPartition
+from kafka.record.default_records import DefaultRecordBatchBuilder
 
 from proto.recmem.v1 import event_pb2
 from streams.codec import encode_event, make_event
 from streams.consumer import EventConsumer
+from streams.dead_letters import (
+    DLQ_MAX_KEY_BYTES,
+    DLQ_MAX_REQUEST_BYTES,
+    DeadLetterError,
+    dead_letter_record,
+)
 from streams.metrics import IngestMetrics
 from streams.producer import EventProducer
+from streams.validate import DeadLetter
 from tests.streams.sinks import RecordingSink
 
 DAY_MS = 86_400_000
@@ -179,30 +188,130 @@ def test_bad_records_are_dead_lettered_and_the_consumer_keeps_going(kafka_config
     assert sum(counted.values()) == len(bad)
 
 
-def test_an_oversized_record_is_dead_lettered_cut_not_refused(kafka_config):
-    from kafka import KafkaProducer
-
-    from streams.consumer import DLQ_MAX_VALUE_BYTES
-
-    cfg = kafka_config(partitions=1)
-    big = b"\xff" * (3 << 20)
-    producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers, max_request_size=8 << 20)
-    producer.send(cfg.topic, key=b"k", value=big).get(timeout=10)
-    producer.close()
-    sink = RecordingSink()
+def run_until(cfg, sink, done, timeout_s=20.0):
+    """Run a consumer until ``done(sink)`` or the timeout; returns whether it got there alive
+    (it did not die on a record) and what it raised."""
     consumer = EventConsumer(cfg, sink)
-    thread = threading.Thread(target=consumer.run, daemon=True)
+    failure = []
+
+    def run():
+        try:
+            consumer.run()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            failure.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while sink.owned.get(0) != 1 and time.monotonic() < deadline:
+        deadline = time.monotonic() + timeout_s
+        while not done(sink) and thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert sink.owned.get(0) == 1 and thread.is_alive()
+        reached = done(sink) and thread.is_alive()
     finally:
         consumer.stop()
         thread.join(timeout=15)
+    return reached, failure
+
+
+def big_producer(cfg):
+    from kafka import KafkaProducer
+
+    return KafkaProducer(bootstrap_servers=cfg.bootstrap_servers, max_request_size=8 << 20)
+
+
+def test_an_oversized_value_is_dead_lettered_cut_not_refused(kafka_config):
+    cfg = kafka_config(partitions=1)
+    big = b"\xff" * (3 << 20)
+    producer = big_producer(cfg)
+    producer.send(cfg.topic, key=b"k", value=big).get(timeout=10)
+    producer.close()
+    sink = RecordingSink()
+    reached, failure = run_until(cfg, sink, lambda s: s.owned.get(0) == 1)
+    assert reached and not failure
     (rec,) = read_dlq(cfg, 1)
     headers = dict(rec.headers)
     assert headers["reason"] == b"undecodable"
     assert headers["value_truncated"] == str(len(big)).encode()
-    assert rec.value == big[:DLQ_MAX_VALUE_BYTES]
+    assert headers["value_sha256"] == hashlib.sha256(big).hexdigest().encode()
+    assert rec.key == b"k" and big.startswith(rec.value) and len(rec.value) > 1000_000
+
+
+def test_an_oversized_user_id_goes_to_the_dlq_and_later_records_apply(kafka_config):
+    """Defect 1 of issue 11: a ~600 KB user id (and key) made a dead letter of key and value
+    cut to 512 KiB each, which the dead-letter producer refused, for good."""
+    cfg = kafka_config(partitions=1)
+    user = "u" * 600_000
+    key, value = encode_event(make_event(user, "item", NOW_MS))
+    producer = big_producer(cfg)
+    producer.send(cfg.topic, key=key, value=value).get(timeout=10)
+    producer.close()
+    with EventProducer(cfg) as p:
+        p.send([make_event("later", "item", NOW_MS + 1)], progress=False)
+    sink = RecordingSink()
+    reached, failure = run_until(cfg, sink, lambda s: bool(s.snapshot()))
+    assert reached and not failure
+    assert [(e.user_id, e.offset) for e in sink.snapshot()] == [("later", 1)]
+    (rec,) = read_dlq(cfg, 1)
+    headers = dict(rec.headers)
+    assert headers["reason"] == b"field_too_long" and headers["source_offset"] == b"0"
+    assert headers["key_truncated"] == str(len(key)).encode()
+    assert headers["key_sha256"] == hashlib.sha256(key).hexdigest().encode()
+    assert rec.key == key[:DLQ_MAX_KEY_BYTES] and rec.value == value  # the value kept whole
+
+
+def test_a_dead_letter_the_broker_refuses_is_sent_as_headers_only(kafka_config, monkeypatch):
+    import streams.consumer
+
+    # a producer limit below the cut dead letter stands in for a topic with a smaller limit
+    monkeypatch.setattr(streams.consumer, "DLQ_MAX_REQUEST_BYTES", 8192)
+    cfg = kafka_config(partitions=1)
+    big = b"\xff" * 100_000
+    producer = big_producer(cfg)
+    producer.send(cfg.topic, key=b"k", value=big).get(timeout=10)
+    producer.close()
+    reached, failure = run_until(cfg, RecordingSink(), lambda s: s.owned.get(0) == 1)
+    assert reached and not failure
+    (rec,) = read_dlq(cfg, 1)
+    headers = dict(rec.headers)
+    assert rec.key is None and rec.value == b""
+    assert headers["reason"] == b"undecodable" and headers["source_offset"] == b"0"
+    assert headers["value_sha256"] == hashlib.sha256(big).hexdigest().encode()
+    assert headers["key_sha256"] == hashlib.sha256(b"k").hexdigest().encode()
+
+
+def test_an_unwritable_dead_letter_stops_the_consumer_naming_the_record(kafka_config, monkeypatch):
+    import streams.consumer
+
+    monkeypatch.setattr(streams.consumer, "DLQ_MAX_REQUEST_BYTES", 64)  # not even headers fit
+    cfg = kafka_config(partitions=1)
+    with EventProducer(cfg) as p:
+        p.send_raw(b"k", b"\xff\xff")
+        p.flush()
+    sink = RecordingSink()
+    _, failure = run_until(cfg, sink, lambda s: False, timeout_s=10)
+    assert sink.batches == 0 and not sink.store  # nothing of the batch applied or checkpointed
+    (error,) = failure
+    assert isinstance(error, DeadLetterError)
+    assert f"record {cfg.topic}/0@0 (reason undecodable)" in str(error)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    key=st.none() | st.integers(0, 3 << 20).map(lambda n: b"k" * n),
+    value=st.none() | st.integers(0, 3 << 20).map(lambda n: b"v" * n),
+    message=st.text(max_size=3000),
+)
+def test_every_dead_letter_fits_the_producer_limit(key, value, message):
+    dead = DeadLetter("undecodable", message, "events", 3, 7, key, value)
+    k, v, headers = dead_letter_record(dead)
+    size = DefaultRecordBatchBuilder.estimate_size_in_bytes(k, v, headers)
+    assert size <= DLQ_MAX_REQUEST_BYTES
+    assert k is not None or v is not None
+    if len(key or b"") + len(value or b"") < 1000_000:
+        assert (k, v) == (key, value if value is not None or key is not None else b"")
+    cut = dict(headers)
+    for part, original, written in (("key", key, k), ("value", value, v)):
+        if original is not None and written != original:
+            assert original.startswith(written)
+            assert cut[f"{part}_truncated"] == str(len(original)).encode()
+            assert cut[f"{part}_sha256"] == hashlib.sha256(original).hexdigest().encode()

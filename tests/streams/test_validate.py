@@ -65,6 +65,33 @@ def test_each_rule_names_its_reason(key, value, reason):
     assert out.message
 
 
+MIN_TS = 631_152_000_000  # 1990-01-01, the default kafka.min_ts_ms
+
+
+@pytest.mark.parametrize(
+    ("ts", "reason", "fragment"),
+    [
+        (1, "ts_too_old", "before kafka.min_ts_ms"),  # 1 ms after 1970
+        (NOW // 1000, "ts_in_seconds", "looks like seconds"),  # a producer sending seconds
+        (MIN_TS // 1000 - 1, "ts_too_old", "before kafka.min_ts_ms"),  # x1000: still too old
+        (MIN_TS - 1, "ts_too_old", "before kafka.min_ts_ms"),
+    ],
+)
+def test_min_ts_catches_ancient_times_and_seconds(ts, reason, fragment):
+    limits = Limits(max_future_ms=60_000, min_ts_ms=MIN_TS)
+    out = check(b"u", raw(**{**GOOD, "ts_ms": ts}), limits)
+    assert isinstance(out, DeadLetter) and out.reason == reason and out.reason in REASONS
+    assert fragment in out.message
+    for ok in (MIN_TS, 874_724_710_000, NOW):  # the bound itself, MovieLens-100K's first event
+        assert isinstance(check(b"u", raw(**{**GOOD, "ts_ms": ok}), limits), ValidEvent)
+
+
+def test_seconds_too_far_ahead_as_ms_are_not_called_seconds():
+    limits = Limits(max_future_ms=60_000, min_ts_ms=MIN_TS)
+    out = check(b"u", raw(**{**GOOD, "ts_ms": NOW // 1000 + 86_400}), limits)  # a day ahead
+    assert isinstance(out, DeadLetter) and out.reason == "ts_too_old"
+
+
 def test_zero_disables_the_time_window():
     limits = Limits(max_past_ms=0, max_future_ms=0)
     for ts in (1, NOW * 100):

@@ -1,6 +1,6 @@
 """End-to-end NoteBank replay evaluation of one trained model over many archive settings.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/notebank_tuning.py --model-dir DIR \\
+    OMP_NUM_THREADS=1 .venv/bin/python bench/experiments/notebank_tuning.py --model-dir DIR \\
         [--part valid] [--grid JSON] [--settings JSON] [--out FILE]
 
 Loads the model once (``recmem train`` output), builds its split, scores the plain model
@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchinfo import git_commit  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # the packages, and bench/benchinfo.py
+
+from benchinfo import git_commit  # noqa: E402
 
 from offline_eval.evaluate import evaluate  # noqa: E402
 from offline_eval.notebank_eval import NotebankScorer  # noqa: E402

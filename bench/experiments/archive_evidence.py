@@ -1,12 +1,12 @@
 """What the NoteBank archive makes reachable on a real split, for a grid of archive settings.
 
-    .venv/bin/python bench/archive_evidence.py --model-dir DIR [--part test] [--users N] [--grid JSON]
+    .venv/bin/python bench/experiments/archive_evidence.py --model-dir DIR [--part test] [--users N] [--grid JSON]
 
 For every target of the split's part: is the target's category key among the events of
 the R routed notes / the R most recent notes / R random notes / any note (the ceiling)?
 Overall and per stratum (RECENT, LONG-TERM, NEW). Uses the trained model's own (k~, q~);
 no replay, so this narrows the settings but does not decide them (docs/archive.md).
-Writes DIR_OUT/archive_evidence_<dataset>.json (DIR_OUT = $OUT, else bench/results).
+Writes DIR_OUT/archive_evidence_<dataset>.json (DIR_OUT = $OUT, else bench/experiments).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-from benchinfo import git_commit  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # the packages, and bench/benchinfo.py
+
+from benchinfo import git_commit  # noqa: E402
 
 from offline_eval.split import load_or_build_split  # noqa: E402
 from offline_eval.strata import assign_strata  # noqa: E402
@@ -47,7 +48,7 @@ def main() -> None:
         help="JSON object: archive field -> list of values",
     )
     ap.add_argument("--query-events", type=int, default=1, help="query positions per route")
-    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "experiments")))
     args = ap.parse_args()
     model, _, cfg, extra = load_model(args.model_dir)
     split = load_or_build_split(cfg)
