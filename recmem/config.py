@@ -221,13 +221,6 @@ class ServerConfig:
     """When the service turns SERVING: one full garbage collection, then ``gc.freeze()``, so
     Python's cyclic collector never walks the long-lived heap (notes, tails, vocabulary)
     in the middle of a rank call (a full pass over the rank benchmark's heap takes ~0.3 s)."""
-    read_ahead: bool = False
-    """Route replay requests without context as the micro-batcher takes them from the queue
-    (``Ranker.prepare``; used only while the user's tail and notes are unchanged) instead
-    of in the batch. Off: under closed-loop load the requests of a batch arrive together
-    and routing them while the gRPC threads parse the arrivals cost twice as much (CPU
-    bench at c=8: p50 1-3 ms worse; on a 16-core GPU host p50 2-4 ms worse, because the
-    batcher then routes while it collects: bench/results/read_ahead_gpu/)."""
 
 
 @dataclass

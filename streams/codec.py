@@ -1,13 +1,13 @@
 """The wire format: protobuf ``recmem.v1.Event`` values keyed by user id (SPEC section 2).
 
-Actions travel as the ``Action`` enum; value v in 1..6 is ``models.sequences.ACTIONS[v - 1]``
+Actions travel as the ``Action`` enum; value v in 1..6 is ``proto.actions.ACTIONS[v - 1]``
 and ``ACTION_UNSPECIFIED`` (0, what a producer that never sets the field sends) reads as
 "other".
 """
 
 from __future__ import annotations
 
-from models.sequences import ACTIONS
+from proto.actions import ACTIONS
 from proto.recmem.v1 import event_pb2
 
 Event = event_pb2.Event

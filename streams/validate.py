@@ -45,7 +45,7 @@ REASONS: tuple[str, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class ValidEvent:
-    """A validated event and where it came from. ``action`` indexes models.sequences.ACTIONS."""
+    """A validated event and where it came from. ``action`` indexes proto.actions.ACTIONS."""
 
     user_id: str
     item_id: str
