@@ -363,6 +363,14 @@ def validate(cfg: Config) -> None:
         (cfg.eval.jobs >= 1, "eval.jobs must be >= 1"),
         (cfg.state.device_capacity >= 1, "state.device_capacity must be >= 1"),
         (
+            cfg.kafka.on_topic_mismatch in ("fail", "earliest", "latest"),
+            "kafka.on_topic_mismatch must be fail|earliest|latest",
+        ),
+        (
+            cfg.kafka.on_offset_out_of_range in ("fail", "earliest", "latest"),
+            "kafka.on_offset_out_of_range must be fail|earliest|latest",
+        ),
+        (
             cfg.state.length_buckets in ("auto", "on", "off"),
             "state.length_buckets must be auto|on|off",
         ),

@@ -25,6 +25,7 @@ from recmem.engine.engine import Engine
 from recmem.engine.loop import EngineLoop, LoopStopped
 from recmem.state_store import UserStateStore
 from streams.metrics import IngestMetrics
+from streams.sink import Resume, SourceMarks
 from streams.validate import ValidEvent
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,10 @@ class KafkaIngest:
         """Per partition: the offset after the last record handed to the loop."""
         self.written: dict[int, int] = {}
         """Per partition: the next offset of its newest checkpoint."""
+        self.source: dict[int, dict[str, str]] = {}
+        """Per partition: what identifies the records behind ``next_offsets`` (the topic's
+        id, a fingerprint of the last record), stored with the offset."""
+        self.topic = cfg.kafka.topic
         self._head: dict[int, tuple[str, int]] = {}
         """Per partition: (name of the checkpoint the state continues, deltas since a full)."""
         self._last_checkpoint = clock()
@@ -124,8 +129,8 @@ class KafkaIngest:
 
     # ---- BatchSink ---------------------------------------------------------------------
 
-    def on_assigned(self, partitions: list[int]) -> dict[int, int]:
-        offsets = {}
+    def on_assigned(self, partitions: list[int]) -> dict[int, Resume]:
+        offsets: dict[int, Resume] = {}
         for p in partitions:
             # read and verified on this thread; the loop only installs
             ckpt = self.checkpoints.restore(p, settings=self.settings)
@@ -133,21 +138,26 @@ class KafkaIngest:
             if ckpt is None:
                 # no checkpoint: the state is empty, so read the partition from its start
                 # (never from a committed offset, which would skip events)
-                offsets[p] = 0
+                offsets[p] = Resume(0)
+                self.source[p] = {}
             else:
                 if ckpt.model_version != self.engine.model_version:
                     log.warning(
                         "partition %d: checkpoint written by model %s, continuing with %s",
                         p, ckpt.model_version, self.engine.model_version,
                     )  # fmt: skip
-                offsets[p] = ckpt.next_offset
+                src = {k: str(v) for k, v in ckpt.source.items()}
+                offsets[p] = Resume(
+                    ckpt.next_offset, src.get("topic_id", ""), src.get("last_record", "")
+                )
+                self.source[p] = src
                 self.written[p] = ckpt.next_offset
                 self._head[p] = (ckpt.path.name, len(ckpt.chain) - 1)
                 log.info(
                     "partition %d: restored %d users at offset %d from %s",
                     p, len(ckpt.user_ids), ckpt.next_offset, " + ".join(ckpt.chain),
                 )  # fmt: skip
-            self.next_offsets[p] = offsets[p]
+            self.next_offsets[p] = offsets[p].next_offset
             self.assigned.add(p)
         if self._on_ready is not None:
             self._on_ready()
@@ -163,12 +173,24 @@ class KafkaIngest:
         so nothing is written; the states are dropped."""
         self._forget(partitions)
 
-    def apply_batch(self, events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
+    def apply_batch(
+        self,
+        events: list[ValidEvent],
+        next_offsets: dict[int, int],
+        source: SourceMarks | None = None,
+    ) -> None:
         try:
             self.loop.submit_apply(events)
         except LoopStopped as e:
             raise RuntimeError(f"applying a batch failed: {e}") from e.__cause__ or e
         self.next_offsets.update(next_offsets)
+        for p in next_offsets:
+            marks = source or SourceMarks()
+            self.source[p] = {
+                "topic": self.topic,
+                "topic_id": marks.topic_id,
+                "last_record": marks.last_records.get(p, ""),
+            }
         self.totals.batches += 1
 
     def checkpoint_due(self) -> bool:
@@ -204,6 +226,7 @@ class KafkaIngest:
             p for p in moved if (h := self._head.get(p)) is None or h[1] + 1 >= self.full_every
         }
         offsets = {p: self.next_offsets[p] for p in moved}
+        sources = {p: dict(self.source.get(p, {})) for p in moved}
         captured: list[Captured] = self._call(  # type: ignore[assignment]
             partial(capture, partitions=moved, full_for=full_for)
         )
@@ -219,6 +242,7 @@ class KafkaIngest:
                 settings=self.settings,
                 notes=c.arrays,
                 parent=None if full or head is None else head[0],
+                source=sources[c.partition],
             )
             self._head[c.partition] = (path.name, 0 if full or head is None else head[1] + 1)
             self.written[c.partition] = offsets[c.partition]
@@ -235,6 +259,7 @@ class KafkaIngest:
             self.assigned.discard(p)
             self.next_offsets.pop(p, None)
             self.written.pop(p, None)
+            self.source.pop(p, None)
             self._head.pop(p, None)
 
 
