@@ -96,6 +96,11 @@ class StateConfig:
     spill_dir: str = "runs/state-spill"
     """Where users evicted from host memory are written (a cache: each process uses a private
     subdirectory, removed on exit; checkpoints are the durable copy)."""
+    dedupe_window: int = 64
+    """Duplicate events: an event whose key (its event_id when the producer set one, else
+    item, ts_ms and action) equals that of one of its user's last this-many accepted events
+    is dropped and counted (recmem_ingest_duplicate_events_total); 0 = apply every event
+    (docs/ingest.md, Duplicate events)."""
     length_buckets: str = "auto"
     """Engine step: on = run a micro-batch's users in power-of-two length buckets (one memory
     update per bucket) so that padding stays under 2x the events; off = one update for the

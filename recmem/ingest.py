@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from functools import partial
+
+from prometheus_client.core import CounterMetricFamily
 
 from models.state import MemoryState
 from recmem.checkpoint import CheckpointStore, PartitionCheckpoint, data_settings
@@ -270,13 +272,30 @@ def _tier_count(store: UserStateStore, tier: str) -> float:
     return float(store.tier_counts()[tier])
 
 
-def register_gauges(metrics: IngestMetrics, store: UserStateStore) -> None:
-    """Users resident per tier and bytes per user state, on the consumer's registry."""
+class _Duplicates:
+    """Prometheus collector: the engine's count of dropped duplicate events."""
+
+    def __init__(self, name: str, engine: Engine) -> None:
+        self.name, self.engine = name, engine
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            self.name,
+            "Events dropped by the duplicate policy (state.dedupe_window)",
+            value=self.engine.seen.dropped,
+        )
+
+
+def register_gauges(metrics: IngestMetrics, engine: Engine) -> None:
+    """Users resident per tier, bytes per user state and duplicates dropped, on the
+    consumer's registry."""
+    store = engine.store
     resident = metrics.gauge("users_resident", "User states held, by tier", ["tier"])
     for tier in ("device", "host", "disk"):
         resident.labels(tier=tier).set_function(partial(_tier_count, store, tier))
     per_user = metrics.gauge("bytes_per_user", "Bytes of one user's memory state")
     per_user.set(store.bytes_per_user())
+    metrics.registry.register(_Duplicates(f"{metrics.prefix}_duplicate_events", engine))
 
 
 def run_ingest(cfg: Config, *, init_model: bool = False) -> tuple[BuiltEngine, IngestTotals]:
@@ -287,7 +306,7 @@ def run_ingest(cfg: Config, *, init_model: bool = False) -> tuple[BuiltEngine, I
     ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
     consumer = EventConsumer(cfg.kafka, ingest)
     store = built.engine.store
-    register_gauges(consumer.metrics, store)
+    register_gauges(consumer.metrics, built.engine)
     consumer.install_signal_handlers()
     log.info(
         "ingesting %s (group %s) on %s; %d bytes per user state",

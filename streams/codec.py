@@ -44,6 +44,7 @@ def make_event(
     action: int | str = "other",
     value: float = 0.0,
     session_id: str | None = None,
+    event_id: str | None = None,
 ) -> event_pb2.Event:
     """An Event message from plain fields (action by name or ACTIONS index)."""
     event = Event(
@@ -55,6 +56,8 @@ def make_event(
     )
     if session_id is not None:
         event.session_id = session_id
+    if event_id is not None:
+        event.event_id = event_id
     return event
 
 

@@ -31,6 +31,7 @@ from models.recommender import AdvanceResult, MemoryRecommender
 from models.state import MemoryState
 from recmem.archive import NoteBank
 from recmem.config import Config
+from recmem.engine.dedupe import SeenEvents
 from recmem.engine.tails import RecentEvents
 from recmem.ranking import ReplayCache, UserEvents
 from recmem.state_store import UserStateStore
@@ -47,6 +48,8 @@ class ApplyCounts:
     events: int = 0
     users: int = 0
     new_users: int = 0
+    duplicates: int = 0
+    """Events dropped by the duplicate policy (not counted in ``events``)."""
     max_len: int = 0
     """T: the longest run of one user's events in the batch (the padded width)."""
 
@@ -77,6 +80,9 @@ class GroupedBatch:
 
 def group_events(events: Sequence[ValidEvent], vocab: ItemVocab) -> GroupedBatch:
     """Group by user in first-appearance order, each user's events in batch order."""
+    if not events:
+        z = np.zeros((0, 0), dtype=np.int64)
+        return GroupedBatch([], [], z, z.copy(), z.copy(), np.zeros(0, dtype=np.int64))
     code_of: dict[str, int] = {}
     codes = np.fromiter(
         (code_of.setdefault(e.user_id, len(code_of)) for e in events),
@@ -159,6 +165,7 @@ class Engine:
         self.cfg = cfg
         self.bank = bank
         self.tails = RecentEvents(max(1, cfg.server.replay_query_events))
+        self.seen = SeenEvents(cfg.state.dedupe_window)
         self.replay_cache = ReplayCache(cfg.server.replay_cache_users)
         self.model_version = model_version
         self.partition_of: dict[str, int] = {}
@@ -199,9 +206,12 @@ class Engine:
     def plan(self, events: Sequence[ValidEvent]) -> IngestPlan:
         """Group a batch by user and cut it into pieces (no state is read or changed)."""
         t0 = time.perf_counter()
-        batch = group_events(events, self.vocab)
+        kept = self.seen.filter(events)
+        batch = group_events(kept, self.vocab)
         self.seconds["group"] += time.perf_counter() - t0
-        return self.plan_grouped(batch)
+        plan = self.plan_grouped(batch)
+        plan.counts.duplicates = len(events) - len(kept)
+        return plan
 
     def plan_grouped(self, batch: GroupedBatch) -> IngestPlan:
         """Cut a grouped batch into pieces."""
@@ -341,6 +351,7 @@ class Engine:
         ``store.read``, a checkpoint's contents)."""
         arrays = self.bank.state_for_users(user_ids) if self.bank is not None else {}
         arrays.update(self.tails.export(user_ids))
+        arrays.update(self.seen.export(user_ids))
         return arrays
 
     def adopt(
@@ -365,6 +376,7 @@ class Engine:
                 else:
                     self.bank.drop_users(users)
             self.tails.load(users, arrays)
+            self.seen.load(users, arrays)
         self.replay_cache.forget(user_ids)
 
     def drop_partition(self, partition: int) -> int:
@@ -376,6 +388,7 @@ class Engine:
         if self.bank is not None:
             self.bank.drop_users(users)
         self.tails.drop(list(users))
+        self.seen.drop(list(users))
         self.replay_cache.forget(list(users))
         return self.store.drop(users)
 

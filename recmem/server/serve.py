@@ -48,7 +48,7 @@ class RecMemService:
             self.built.model_version,
             RankMetrics(self.metrics.registry),
         )
-        register_gauges(self.metrics, self.built.engine.store)
+        register_gauges(self.metrics, self.built.engine)
         self.consumer: Any = None
         self.ingest: KafkaIngest | None = None
         self._thread: threading.Thread | None = None

@@ -233,3 +233,31 @@ def test_bursts_run_in_aligned_chunks_and_equal_the_recurrent_path(tmp_path, mon
         torch.testing.assert_close(got.S[i], ref[u].S[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got.M[i], ref[u].M[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got.h[i], ref[u].h[0], rtol=1e-4, atol=1e-5)
+
+
+def test_duplicates_are_dropped_counted_and_kept_across_checkpoints(tmp_path):
+    """The key is the event id when set, else (item, ts, action); a copy of one of the
+    user's last ``dedupe_window`` events (or of an earlier one in the batch) is dropped."""
+    cfg = small_config()
+    cfg.state.dedupe_window = 4
+    engine = make_engine(tmp_path / "a", cfg=cfg)
+    e = [ValidEvent("u", f"i{k}", 1000 + k, 1, 1.0, None, 0, k) for k in range(6)]
+    counts = engine.apply([e[0], e[1], e[0], e[2]])  # a copy inside the batch
+    assert (counts.events, counts.duplicates) == (3, 1)
+    counts = engine.apply([e[1], e[3]])  # a copy of a recent event
+    assert (counts.events, counts.duplicates) == (1, 1)
+    # another action, or the same fields under another event id, is another event
+    other = ValidEvent("u", "i3", 1003, 2, 1.0, None, 0, 9)
+    ided = [ValidEvent("u", "i4", 1004, 1, 1.0, None, 0, 10 + k, event_id=f"x{k}") for k in (1, 2)]
+    counts = engine.apply([other, *ided])
+    assert (counts.events, counts.duplicates) == (3, 0)
+    assert engine.apply([ided[0]]).duplicates == 1
+    assert engine.seen.dropped == 3 and int(engine.snapshot(["u"]).pos[0]) == 7
+    # the window moved on: an old copy is applied again
+    assert engine.apply([e[0]]).duplicates == 0
+    # the keys travel with the checkpoint arrays
+    restored = make_engine(tmp_path / "b", cfg=cfg)
+    restored.adopt(0, ["u"], engine.store.read(["u"]), [(["u"], engine.export_arrays(["u"]))])
+    assert restored.apply([ided[1]]).duplicates == 1
+    cfg.state.dedupe_window = 0  # off: every event applies
+    assert make_engine(tmp_path / "c", cfg=cfg).apply([e[0], e[0]]).events == 2

@@ -171,7 +171,7 @@ def start_service(cfg: Config) -> tuple[BuiltEngine, KafkaIngest, EventConsumer,
     built = build_engine(cfg, device="cpu")
     ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
     consumer = EventConsumer(cfg.kafka, ingest)
-    register_gauges(consumer.metrics, built.engine.store)
+    register_gauges(consumer.metrics, built.engine)
     thread = threading.Thread(target=consumer.run, daemon=True)
     thread.start()
     return built, ingest, consumer, thread
@@ -390,3 +390,34 @@ def test_executor_flushes_denormals_when_the_process_opted_in(tmp_path):
         finally:
             recurrent._process_flushes_denormals = False
     assert seen == [False, True]
+
+
+def test_duplicate_records_are_applied_once(tmp_path, kafka_config):
+    """Records sent twice (a source replaying what it sent, here each 5th event) reach the
+    engine once; the metric counts the copies; the producer is idempotent for retries."""
+    from streams.producer import EventProducer
+
+    cfg = service_config(tmp_path, kafka_config(partitions=2))
+    events = make_events(200, 10, seed=11)
+    doubled = []
+    for k, e in enumerate(events):
+        doubled.append(e)
+        if k % 5 == 0:
+            doubled.append(e)
+    with EventProducer(cfg.kafka) as producer:
+        assert producer._producer.config["enable_idempotence"]
+        producer.send(doubled, progress=False)
+    ends = {p: n for p, n in end_offsets_of(cfg).items()}
+    built, ingest, consumer, thread = start_service(cfg)
+    wait_until(lambda: caught_up(cfg, ends), 60, "checkpoints at the end offsets")
+    registry = consumer.metrics.registry
+    assert registry.get_sample_value("recmem_ingest_duplicate_events_total") == 40
+    stop_service(built, ingest, consumer, thread)
+    assert built.engine.totals.events == 200
+    assert_checkpoints_equal_clean_pass(cfg, events, tmp_path)
+
+
+def end_offsets_of(cfg: Config) -> dict[int, int]:
+    from streams.admin import end_offsets
+
+    return end_offsets(cfg.kafka)
