@@ -87,10 +87,12 @@ def end_to_end(cfg: Config, n: int) -> dict[str, object]:
     apply_batch = ingest.apply_batch
     engine = built.engine
 
-    def timed_apply(events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
+    def timed_apply(
+        events: list[ValidEvent], next_offsets: dict[int, int], source: object = None
+    ) -> None:
         if not first_batch:
             first_batch.append(time.perf_counter())
-        apply_batch(events, next_offsets)
+        apply_batch(events, next_offsets, source)  # type: ignore[arg-type]
 
     ingest.apply_batch = timed_apply  # type: ignore[method-assign]
     t0 = time.perf_counter()
@@ -101,7 +103,12 @@ def end_to_end(cfg: Config, n: int) -> dict[str, object]:
         time.sleep(0.01)
     applied = time.perf_counter()
     first = first_batch[0]
-    resident = engine.store.tier_counts()
+    resident, notes = built.loop.read(
+        lambda: (
+            engine.store.tier_counts(),
+            sum(engine.bank.note_count(u) for u in engine.partition_of) if engine.bank else 0,
+        )
+    ).result(60)
     consumer.stop()
     thread.join(timeout=600)
     done = time.perf_counter()
@@ -110,7 +117,6 @@ def end_to_end(cfg: Config, n: int) -> dict[str, object]:
     wall = applied - first
     profile = {k: round(v, 3) for k, v in engine.seconds.items()}
     profile["checkpoints_total"] = round(t.checkpoint_seconds, 3)
-    notes = sum(engine.bank.note_count(u) for u in engine.partition_of) if engine.bank else 0
     built.close()
     events = engine.totals.events
     return {

@@ -3,7 +3,7 @@ MovieLens lives in recmem.movielens, the generator in recmem.synthetic.
 
 Every loader returns a :class:`Dataset` whose ``events`` frame has the columns
 ``user_id`` (str), ``item_id`` (str), ``ts_ms`` (i64), ``action`` (str, one of
-``models.sequences.ACTIONS``), ``value`` (f32) and ``category`` (str or null: the item's
+``proto.actions.ACTIONS``), ``value`` (f32) and ``category`` (str or null: the item's
 whole category set, '|'-joined), sorted by (ts_ms, user_id, item_id) with ids compared as
 strings.
 

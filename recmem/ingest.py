@@ -12,8 +12,10 @@ builder, the same engine, the same checkpoint contents.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -128,6 +130,10 @@ class KafkaIngest:
         """Per partition: (name of the checkpoint the state continues, deltas since a full)."""
         self._last_checkpoint = clock()
         self.totals = IngestTotals()
+        self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        self._writing: Future[None] | None = None
+        """The checkpoint being written by the writer thread, if any."""
 
     # ---- BatchSink ---------------------------------------------------------------------
 
@@ -199,9 +205,27 @@ class KafkaIngest:
         return self.clock() - self._last_checkpoint >= self.interval_s
 
     def checkpoint(self) -> dict[int, int]:
-        self._write(sorted(self.assigned))
-        self._last_checkpoint = self.clock()
-        return {p: self.written[p] for p in sorted(self.assigned) if p in self.written}
+        """Start a checkpoint of every assigned partition whose offset moved: the loop copies
+        the contents at once; a writer thread writes the files while consumption goes on.
+        Returns the offsets whose checkpoints are complete (the consumer commits those)."""
+        if self._writing is None or self._writing.done():
+            self._write(sorted(self.assigned), wait=False)
+            self._last_checkpoint = self.clock()
+        with self._lock:
+            return {p: self.written[p] for p in sorted(self.assigned) if p in self.written}
+
+    def flush(self) -> dict[int, int]:
+        """Wait for the checkpoint being written; the offsets of the complete ones."""
+        self._settle()
+        with self._lock:
+            return {p: self.written[p] for p in sorted(self.assigned) if p in self.written}
+
+    def close(self) -> None:
+        """Wait for a checkpoint being written (raises its error), stop the writer."""
+        try:
+            self._settle()
+        finally:
+            self._writer.shutdown(wait=True)
 
     def drain(self) -> None:
         """Wait until every batch handed over is installed (raises if ingest failed)."""
@@ -215,11 +239,19 @@ class KafkaIngest:
         except LoopStopped as e:
             raise RuntimeError(f"the engine stopped: {e}") from e.__cause__ or e
 
-    def _write(self, partitions: list[int]) -> None:
+    def _settle(self) -> None:
+        """Wait for the checkpoint being written, if any; raise what it raised."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
+
+    def _write(self, partitions: list[int], wait: bool = True) -> None:
         """Checkpoint each partition whose offset moved since its last checkpoint: a delta of
         the users changed since the previous checkpoint, or every user (full) when there is
         none to build on, every ``full_every``-th time, or when most users changed. The
-        loop copies the contents; this thread writes the files."""
+        loop copies the contents; the files are written on this thread (``wait``) or the
+        writer thread (one checkpoint at a time)."""
+        self._settle()
         moved = [p for p in partitions if self.written.get(p) != self.next_offsets.get(p)]
         if not moved:
             return
@@ -232,6 +264,19 @@ class KafkaIngest:
         captured: list[Captured] = self._call(  # type: ignore[assignment]
             partial(capture, partitions=moved, full_for=full_for)
         )
+        job = partial(self._write_files, captured, offsets, sources, start)
+        if wait:
+            job()
+        else:
+            self._writing = self._writer.submit(job)
+
+    def _write_files(
+        self,
+        captured: list[Captured],
+        offsets: dict[int, int],
+        sources: dict[int, dict[str, str]],
+        start: float,
+    ) -> None:
         for c in captured:
             head = self._head.get(c.partition)
             full = c.full or head is None
@@ -246,8 +291,9 @@ class KafkaIngest:
                 parent=None if full or head is None else head[0],
                 source=sources[c.partition],
             )
-            self._head[c.partition] = (path.name, 0 if full or head is None else head[1] + 1)
-            self.written[c.partition] = offsets[c.partition]
+            with self._lock:
+                self._head[c.partition] = (path.name, 0 if full or head is None else head[1] + 1)
+                self.written[c.partition] = offsets[c.partition]
             self.totals.checkpoints += 1
             log.debug(
                 "partition %d: %s checkpoint of %d users at offset %d",
@@ -256,6 +302,7 @@ class KafkaIngest:
         self.totals.checkpoint_seconds += time.perf_counter() - start
 
     def _forget(self, partitions: list[int]) -> None:
+        self._settle()
         for p in partitions:
             self._call(partial(_drop, partition=p))
             self.assigned.discard(p)
@@ -315,6 +362,7 @@ def run_ingest(cfg: Config, *, init_model: bool = False) -> tuple[BuiltEngine, I
     try:
         consumer.run()
     finally:
+        ingest.close()
         built.close()
     t = ingest.totals
     log.info(

@@ -213,8 +213,9 @@ class EventConsumer:
         except KafkaError as e:
             if self._position_error is not None:
                 raise self._position_error from None
-            if isinstance(e.__cause__, PositionError):
-                raise e.__cause__ from None
+            cause = e.__cause__
+            if cause is not None and not isinstance(cause, KafkaError):
+                raise cause from None  # the sink's own error from a rebalance callback
             raise
 
     def _close(self) -> None:

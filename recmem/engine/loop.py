@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -94,7 +94,6 @@ class LoopCounts:
     largest_batch: int = 0
     busy_seconds: float = 0.0
     collect_seconds: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list)
 
 
 class EngineLoop:

@@ -96,6 +96,8 @@ class RecMemService:
             self.consumer.stop()
             if self._thread is not None:
                 self._thread.join()
+        if self.ingest is not None:
+            self.ingest.close()
         self.built.close()
         self.metrics.close()
         self._done.set()

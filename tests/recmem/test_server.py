@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import socket
 import threading
 import time
@@ -408,6 +409,7 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
     cfg.kafka = kafka_config(partitions=2)
     cfg.server.model_dir = str(tmp_path / "model")
     cfg.checkpoint.dir = str(tmp_path / "ckpt")
+    cfg.checkpoint.full_every = 1  # serve honours it: every checkpoint full
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         cfg.server.metrics_port = sock.getsockname()[1]
@@ -423,6 +425,7 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
     assert producer.send(events, progress=False) == 60
     producer.close()
     svc = RecMemService(cfg, device="cpu").start()
+    assert svc.ingest is not None and svc.ingest.full_every == 1
     try:
         with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
             stub = rank_pb2_grpc.RecMemStub(ch)
@@ -454,11 +457,18 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
                 text = page.read().decode()
             assert 'recmem_rank_requests_total{code="OK"}' in text
             assert "recmem_ingest_events_total 60.0" in text
+            # the ingest figures of `recmem ingest` (the same adapter): bytes per user state
+            assert (
+                f"recmem_ingest_bytes_per_user {float(svc.built.engine.store.bytes_per_user())}"
+                in text
+            )
+            assert "recmem_ingest_duplicate_events_total 0.0" in text
             assert res.model_version.startswith("memory-E4-N32-")
     finally:
         svc.stop(grace=1.0)
     assert svc.failure is None
-    assert any(Path(cfg.checkpoint.dir).rglob("meta.json"))
+    metas = [json.loads(m.read_text()) for m in Path(cfg.checkpoint.dir).rglob("meta.json")]
+    assert metas and all(m["kind"] == "full" for m in metas)
     # a restart restores states, notes and the recent-event tails from the checkpoint
     svc = RecMemService(cfg, device="cpu").start()
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from kafka import KafkaAdminClient
 
+from recmem.checkpoint import IncompatibleCheckpoint
 from recmem.config import Config
 from streams.admin import client_settings, ensure_topics
 from streams.positions import PositionError
@@ -35,7 +36,7 @@ def run_until_caught_up(cfg: Config, ends: dict[int, int]) -> dict[str, int]:
     return positions
 
 
-def run_expecting_failure(cfg: Config) -> PositionError:
+def run_expecting_failure(cfg: Config) -> BaseException:
     """Start the service; it must stop on its own with the error it returns."""
     built, _, consumer, thread = start_service(cfg)
     thread.join(60)
@@ -45,8 +46,8 @@ def run_expecting_failure(cfg: Config) -> PositionError:
         thread.join(30)
     built.close()
     assert not alive, "the service kept running"
-    assert consumer._position_error is not None
-    return consumer._position_error
+    assert thread.error is not None
+    return thread.error
 
 
 def recreate(cfg: Config) -> None:
@@ -101,3 +102,17 @@ def test_an_offset_past_the_end_is_refused(tmp_path: Path, kafka_config) -> None
     meta_path.write_text(json.dumps(meta))
     err = run_expecting_failure(cfg)
     assert "kafka.on_offset_out_of_range" in str(err) and "10000" in str(err)
+
+
+def test_a_checkpoint_of_other_archive_settings_is_refused_by_name(
+    tmp_path: Path, kafka_config
+) -> None:
+    """The settings that shape stored data include the archive's: a service with another
+    chunk size must not continue notes written under the old one."""
+    cfg = service_config(tmp_path, kafka_config(partitions=1))
+    ends = send_with_bad(cfg, make_events(40, 4, seed=4), seed=4, n_bad=0)
+    run_until_caught_up(cfg, ends)
+    cfg.archive.chunk_events = 16
+    err = run_expecting_failure(cfg)
+    assert isinstance(err, IncompatibleCheckpoint)
+    assert "archive.chunk_events: checkpoint 32, this service 16" in str(err)
