@@ -39,6 +39,8 @@ class SeenEvents:
             raise ValueError("the duplicate window must be >= 0")
         self.window = window
         self._keys: dict[str, deque[int]] = {}
+        self._sets: dict[str, set[int]] = {}
+        """The same keys as sets, for the membership test."""
         self.dropped = 0
         """Duplicates dropped so far."""
 
@@ -51,12 +53,17 @@ class SeenEvents:
         for e in events:
             keys = self._keys.get(e.user_id)
             if keys is None:
-                keys = self._keys[e.user_id] = deque(maxlen=self.window)
+                keys = self._keys[e.user_id] = deque()
+                self._sets[e.user_id] = set()
+            known = self._sets[e.user_id]
             k = event_key(e)
-            if k in keys:
+            if k in known:
                 self.dropped += 1
                 continue
             keys.append(k)
+            known.add(k)
+            if len(keys) > self.window:
+                known.discard(keys.popleft())
             kept.append(e)
         return kept
 
@@ -82,8 +89,11 @@ class SeenEvents:
         ends = np.cumsum(lengths)
         for user, s, e in zip(user_ids, ends - lengths, ends):
             if e > s:
-                self._keys[user] = deque((int(x) for x in keys[s:e]), maxlen=self.window)
+                kept = [int(x) for x in keys[s:e]][-self.window :]
+                self._keys[user] = deque(kept)
+                self._sets[user] = set(kept)
 
     def drop(self, user_ids: Sequence[str]) -> None:
         for user in user_ids:
             self._keys.pop(user, None)
+            self._sets.pop(user, None)

@@ -17,10 +17,11 @@ so a checkpoint holds exactly the effects of the offsets it records.
 What runs where, so that rank calls do not wait for ingest: a piece's model step (the bulk
 of ingest) runs on an executor thread on a private copy of the piece's states, which
 nothing else reads or writes, while this thread goes on ranking on the installed states;
-the loop installs the result when it comes back. The next piece is handed to the executor
-before the loop writes the previous piece's notes, so ingest's model step and the
-NoteBank's write path overlap. Checkpoint captures copy users in slices with rank batches
-in between, and the files are written by the caller's thread, not this one.
+the loop installs the result when it comes back, then hands the executor the next piece.
+(Writing a piece's notes while the executor computes the next one measured slower on the
+2-core CPU: both are Python-heavy and take turns on the GIL.) Checkpoint captures copy
+users in slices with rank batches in between, and the files are written by the Kafka
+adapter's writer thread, not this one.
 
 Rank requests are micro-batched: a batch takes what is queued, waits at most
 ``window_ms`` for more (``adaptive``: only under concurrency, and it closes once as many
@@ -458,8 +459,8 @@ class EngineLoop:
         return True
 
     def _install(self) -> None:
-        """Install the piece the executor finished: states and latest events, then (after
-        handing the next piece to the executor) its notes."""
+        """Install the piece the executor finished (states, latest events, notes), then hand
+        the executor the next piece."""
         done, self._done = self._done, None
         assert done is not None
         self._inflight = None
@@ -469,8 +470,8 @@ class EngineLoop:
         assert self.engine is not None
         try:
             self.engine.commit(done.piece)
-            self._dispatch_piece()  # the executor computes while the notes are written
             self.engine.commit_notes(done.piece)
+            self._dispatch_piece()
         except BaseException as e:  # noqa: BLE001
             self._fail_ingest(e, done.owner)
             return
