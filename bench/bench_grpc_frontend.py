@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/bench_grpc_frontend.py [--seconds 3] [--engine-ms 1] [--out FILE]
 
-Both servers serve ``RecMem.Rank`` through the service's real ``MicroBatcher`` (adaptive
-4 ms window) with a stand-in engine step that sleeps ``--engine-ms`` per micro-batch and
+Both servers serve ``RecMem.Rank`` through the service's real engine loop (``EngineLoop``,
+adaptive 4 ms window) with a stand-in rank step that sleeps ``--engine-ms`` per micro-batch and
 answers empty responses: what the front end costs without any model work. A client process
 runs closed-loop load (one channel, one thread per client) at concurrency 1 and 8 for each
 server, twice, alternating. Writes FILE (default bench/results/grpc_frontend_cpu.json).
