@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/bench_grpc_frontend.py [--seconds 3] [--engine-ms 1] [--out FILE]
 
-Both servers serve ``RecMem.Rank`` through the service's real ``MicroBatcher`` (adaptive
-4 ms window) with a stand-in engine step that sleeps ``--engine-ms`` per micro-batch and
+Both servers serve ``RecMem.Rank`` through the service's real engine loop (``EngineLoop``,
+adaptive 4 ms window) with a stand-in rank step that sleeps ``--engine-ms`` per micro-batch and
 answers empty responses: what the front end costs without any model work. A client process
 runs closed-loop load (one channel, one thread per client) at concurrency 1 and 8 for each
 server, twice, alternating. Writes FILE (default bench/results/grpc_frontend_cpu.json).
@@ -37,13 +37,18 @@ def serve(kind: str, engine_ms: float, conn: Any) -> None:
     import grpc
 
     from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
-    from recmem.server.batcher import MicroBatcher
+    from recmem.engine import EngineLoop
 
-    def step(items: list[Any]) -> list[Any]:
-        time.sleep(engine_ms / 1000.0)
-        return [rank_pb2.RankResponse(model_version="frontend") for _ in items]
+    class StandIn:
+        """A stand-in rank step of ``engine_ms`` behind the real engine loop."""
 
-    batcher = MicroBatcher(step, 4.0, 64, adaptive=True)
+        n_items = 1
+
+        def rank(self, items: list[Any]) -> list[Any]:
+            time.sleep(engine_ms / 1000.0)
+            return [rank_pb2.RankResponse(model_version="frontend") for _ in items]
+
+    batcher = EngineLoop(StandIn(), window_ms=4.0, max_batch=64, adaptive=True).start()  # type: ignore[arg-type]
     if kind == "sync":
 
         class Sync(rank_pb2_grpc.RecMemServicer):

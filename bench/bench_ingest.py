@@ -6,11 +6,12 @@
 1. the first M events of the dataset (time order) go into a fresh topic on the embedded
    tansu broker;
 2. raw: a plain KafkaConsumer reads all M records and decodes each value (protobuf) only;
-3. end to end: the ingest service (EventConsumer -> PipelinedSink -> IngestService -> Engine,
-   as ``recmem ingest`` runs it; ``--no-pipeline``: no PipelinedSink), default model
-   configuration with freshly initialised weights and the dataset's items as vocabulary,
-   checkpoints on every ``--interval`` seconds) consumes the same M records into applied
-   state; timed from its first batch to the last event applied, and to the final checkpoint.
+3. end to end: ``recmem ingest`` as it runs (``build_engine``, EventConsumer -> KafkaIngest
+   -> the engine loop, with the NoteBank archive and the latest events, as ``recmem serve``
+   ingests), default model configuration with freshly initialised weights and the
+   dataset's items as vocabulary, checkpoints on every ``--interval`` seconds) consumes
+   the same M records into applied state; timed from its first batch to the last event
+   applied, and to the final checkpoint.
 
 Writes bench/results/ingest_<tag>.json (or $OUT/...) with machine, date, commit, command,
 both rates and their ratio (goal >= 0.5), batch sizes, where the time went, and bytes per
@@ -41,7 +42,8 @@ from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 
 from models.recommender import MemoryRecommender  # noqa: E402
 from recmem.config import Config  # noqa: E402
-from recmem.ingest import PipelinedSink, build_service  # noqa: E402
+from recmem.engine.builder import build_engine  # noqa: E402
+from recmem.ingest import KafkaIngest  # noqa: E402
 from recmem.modelstore import save_model  # noqa: E402
 from recmem.vocab import ItemVocab  # noqa: E402
 from streams.admin import ensure_topics  # noqa: E402
@@ -76,57 +78,59 @@ def raw_rate(cfg: Config, n: int) -> dict[str, float]:
     return {"events": seen, "seconds": elapsed, "events_per_s": seen / elapsed}
 
 
-def end_to_end(cfg: Config, n: int, pipeline: bool) -> dict[str, object]:
-    service = build_service(cfg)
-    sink = PipelinedSink(service) if pipeline else service
-    consumer = EventConsumer(cfg.kafka, sink)
+def end_to_end(cfg: Config, n: int) -> dict[str, object]:
+    built = build_engine(cfg)
+    ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
+    consumer = EventConsumer(cfg.kafka, ingest)
     thread = threading.Thread(target=consumer.run, daemon=True)
     first_batch: list[float] = []
-    apply_batch = service.apply_batch
+    apply_batch = ingest.apply_batch
+    engine = built.engine
 
-    def timed_apply(events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
+    def timed_apply(
+        events: list[ValidEvent], next_offsets: dict[int, int], source: object = None
+    ) -> None:
         if not first_batch:
             first_batch.append(time.perf_counter())
-        apply_batch(events, next_offsets)
+        apply_batch(events, next_offsets, source)  # type: ignore[arg-type]
 
-    service.apply_batch = timed_apply  # type: ignore[method-assign]
+    ingest.apply_batch = timed_apply  # type: ignore[method-assign]
     t0 = time.perf_counter()
     thread.start()
-    while service.totals.events < n:
+    while engine.totals.events < n:
         if not thread.is_alive():
             raise RuntimeError("the consumer stopped early")
         time.sleep(0.01)
     applied = time.perf_counter()
     first = first_batch[0]
-    resident = service.engine.store.tier_counts()
+    resident, notes = built.loop.read(
+        lambda: (
+            engine.store.tier_counts(),
+            sum(engine.bank.note_count(u) for u in engine.partition_of) if engine.bank else 0,
+        )
+    ).result(60)
     consumer.stop()
     thread.join(timeout=600)
     done = time.perf_counter()
-    if isinstance(sink, PipelinedSink):
-        sink.close()
-    engine, store, t = service.engine, service.engine.store, service.totals
+    store, t = engine.store, ingest.totals
     ckpt_bytes = sum(f.stat().st_size for f in Path(cfg.checkpoint.dir).rglob("*") if f.is_file())
     wall = applied - first
     profile = {k: round(v, 3) for k, v in engine.seconds.items()}
-    profile["engine_apply_total"] = round(t.apply_seconds, 3)
     profile["checkpoints_total"] = round(t.checkpoint_seconds, 3)
-    # with the pipelined sink the consumer's share overlaps the engine's: this is the part
-    # of the wall time not covered by applying or checkpointing
-    profile["wall_minus_apply_and_checkpoints"] = round(
-        max(0.0, wall - t.apply_seconds - t.checkpoint_seconds), 3
-    )
-    store.close()
+    built.close()
+    events = engine.totals.events
     return {
-        "events": t.events,
+        "events": events,
         "seconds_to_applied": wall,
-        "events_per_s": t.events / wall,
-        "events_per_s_incl_final_checkpoint": t.events / (done - first),
+        "events_per_s": events / wall,
+        "events_per_s_incl_final_checkpoint": events / (done - first),
         "group_join_s": first - t0,
-        "batches": t.batches,
-        "mean_events_per_batch": t.events / max(1, t.batches),
-        "padded_user_steps_per_event": engine.seconds["user_steps"] / max(1, t.events),
+        "batches": engine.totals.batches,
+        "mean_events_per_batch": events / max(1, engine.totals.batches),
+        "padded_user_steps_per_event": engine.seconds["user_steps"] / max(1, events),
         "checkpoints_written": t.checkpoints,
         "checkpoint_bytes_on_disk": ckpt_bytes,
+        "notes_written": notes,
         "users_resident": resident,
         "bytes_per_resident_user": store.bytes_per_user(),
         "device": str(store.device),
@@ -170,11 +174,6 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=10.0, help="checkpoint.interval_s")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--set", action="append", default=[], help="extra section.field=value")
-    ap.add_argument(
-        "--no-pipeline",
-        action="store_true",
-        help="apply batches on the consumer's thread (default: PipelinedSink, as recmem ingest)",
-    )
     ap.add_argument("--tag", default="cpu", help="result file name: ingest_<tag>.json")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     args = ap.parse_args()
@@ -211,7 +210,7 @@ def main() -> None:
         save_model(cfg.server.model_dir, model, vocab, cfg)
         if args.device != "auto":
             os.environ["CUDA_VISIBLE_DEVICES"] = "" if args.device == "cpu" else "0"
-        e2e = end_to_end(cfg, n, pipeline=not args.no_pipeline)
+        e2e = end_to_end(cfg, n)
     shutil.rmtree(work, ignore_errors=True)
 
     ratio = float(e2e["events_per_s"]) / raw["events_per_s"]  # type: ignore[arg-type]
@@ -232,7 +231,7 @@ def main() -> None:
         "memory_config": cfg.to_dict()["memory"],
         "embed_dim": cfg.model.embed_dim,
         "length_buckets": cfg.state.length_buckets,
-        "pipelined_sink": not args.no_pipeline,
+        "composition": "build_engine + KafkaIngest + engine loop (NoteBank on)",
         "produce_events_per_s": round(n / produce_s),
         "raw_consume_decode": {k: round(v, 3) for k, v in raw.items()},
         "end_to_end": e2e,

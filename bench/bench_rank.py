@@ -7,19 +7,20 @@
         [--set section.field=value ...]
         [--out DIR | --json PATH]
 
-A server process builds the real stack (engine + state store + NoteBank + micro-batcher +
-gRPC) on the default memory configuration with a freshly initialised model (latency does
-not depend on training), ingests synthetic Zipf histories through ``Engine.apply`` (notes
-are written as at ingest), and serves two RecMem services: the memory model, and the SASRec
-baseline that re-encodes each request's user's last 200 events (one forward per request,
-``SASRec.encode_history``) behind the same batcher and servicer. The client process runs
+A server process builds the real engine (``recmem.engine.builder.build_engine``: state
+store, NoteBank, Ranker, engine loop) on the default memory configuration with a freshly
+initialised model (latency does not depend on training), ingests synthetic Zipf histories
+through ``Engine.apply`` (notes are written as at ingest) before starting the loop, and
+serves two RecMem services: the memory model, and the SASRec baseline that re-encodes each
+request's user's last 200 events (one forward per request, ``SASRec.encode_history``)
+behind an engine loop of its own (the same micro-batching) and the same servicer. The client process runs
 closed-loop load at each concurrency for each request shape: 100 candidates (k=10) and
 whole-catalog top-10, replay off and on (R = 2, 4). SASRec has no notes, so each memory
 cell is compared with SASRec on the same request shape and concurrency. The replay cache
 (``server.replay_cache_users``) is off unless ``--replay-cache N``: no events arrive while
 the cells run, so with it every replay request after a user's first is answered from the
 cache and the cells would not measure replay. ``--ingest-rate R`` applies R events/s
-(random users, through ``Engine.apply``, as ``recmem serve``'s ingest) while
+(random users, through the engine loop, as ``recmem serve``'s ingest) while
 the cells run: rank latency under ingest, and with the cache the share of replay requests
 it answers (each cell records ``replay_cache_hit_share`` and ``events_ingested``). The
 flags above
@@ -149,15 +150,16 @@ def synthetic_histories(
 
 
 def build_memory_stack(args: argparse.Namespace) -> dict[str, Any]:
-    """The memory service's stack on the default configuration (plus ``args.set``) with a
+    """The memory service's engine on the default configuration (plus ``args.set``) with a
     freshly initialised model, after ingesting the synthetic histories through
-    ``Engine.apply``: keys cfg, stack, vocab, hist, popularity, device, ingest."""
+    ``Engine.apply`` (the loop not started yet): keys cfg, built, vocab, hist, popularity,
+    device, ingest."""
     import torch
 
     from models.recommender import MemoryRecommender
     from recmem.config import Config, set_value
+    from recmem.engine.builder import build_engine
     from recmem.ranking import train_popularity
-    from recmem.server.stack import build_rank_stack
     from recmem.vocab import ItemVocab
     from streams.validate import ValidEvent
 
@@ -183,7 +185,10 @@ def build_memory_stack(args: argparse.Namespace) -> dict[str, Any]:
     model = model.to(device).eval()
     hist = synthetic_histories(args.users, args.events, args.items, seed=1)
     popularity = train_popularity(np.concatenate([h[0] for h in hist.values()]), args.items)
-    stack = build_rank_stack(cfg, model, vocab, "bench-memory", popularity, device=device)
+    built = build_engine(
+        cfg, model=model, vocab=vocab, model_version="bench-memory", popularity=popularity,
+        device=device, start=False,
+    )  # fmt: skip
     t0 = time.perf_counter()
     n_events = 0
     longest = max(len(h[0]) for h in hist.values())
@@ -193,13 +198,14 @@ def build_memory_stack(args: argparse.Namespace) -> dict[str, Any]:
             for u, (it, ac, ts) in hist.items()
             for i in range(start, min(start + 64, len(it)))
         ]
-        stack.engine.apply(batch)
+        built.engine.apply(batch)
         n_events += len(batch)
     ingest_s = time.perf_counter() - t0
-    notes = sum(stack.bank.note_count(u) for u in hist)
+    bank = built.engine.bank
+    notes = sum(bank.note_count(u) for u in hist) if bank is not None else 0
     return {
         "cfg": cfg,
-        "stack": stack,
+        "built": built,
         "vocab": vocab,
         "hist": hist,
         "popularity": popularity,
@@ -210,12 +216,12 @@ def build_memory_stack(args: argparse.Namespace) -> dict[str, Any]:
 
 class IngestFeed:
     """Events arriving while the cells run: a thread applies ``rate`` events/s (batches every
-    20 ms, users uniform, Zipf items, each user's clock moving on) through
-    ``Engine.apply``, which takes the stack's lock for its changes, as under ``recmem serve``."""
+    20 ms, users uniform, Zipf items, each user's clock moving on) through the engine
+    loop, as ``recmem serve``'s Kafka adapter hands them over."""
 
-    def __init__(self, stack: Any, vocab: Any, hist: dict[str, Any], n_items: int,
+    def __init__(self, loop: Any, vocab: Any, hist: dict[str, Any], n_items: int,
                  rate: float) -> None:  # fmt: skip
-        self.stack, self.vocab, self.rate = stack, vocab, rate
+        self.loop, self.vocab, self.rate = loop, vocab, rate
         self.users = list(hist)
         self.clock = {u: int(h[2][-1]) for u, h in hist.items()}
         self.offset = {u: len(h[0]) for u, h in hist.items()}
@@ -245,7 +251,7 @@ class IngestFeed:
                 item = self.vocab.item_ids[int(rng.choice(len(self.p), p=self.p))]
                 batch.append(ValidEvent(u, item, self.clock[u], int(rng.integers(0, 6)), 1.0,
                                         None, 0, self.offset[u]))  # fmt: skip
-            self.stack.engine.apply(batch)  # locks its changes (Engine.lock), as under serve
+            self.loop.apply(batch)
             self.applied += n
 
     def stop(self) -> None:
@@ -258,16 +264,21 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
     import torch
 
     from models.sasrec import SASRec, SASRecConfig
+    from recmem.engine import EngineLoop
     from recmem.server.app import RankServer
 
-    built = build_memory_stack(args)
-    cfg, stack, vocab, hist = built["cfg"], built["stack"], built["vocab"], built["hist"]
-    device = built["device"]
+    made = build_memory_stack(args)
+    cfg, built, vocab, hist = made["cfg"], made["built"], made["vocab"], made["hist"]
+    device = made["device"]
     sasrec = SASRec(args.items, cfg.model.n_oov_buckets, SASRecConfig()).to(device).eval()
     sas_hist = {u: h[0][-SASREC_WINDOW:] for u, h in hist.items()}
-    memory_server = stack.server(cfg).start()
+    memory_server = RankServer(cfg, built.loop.start(), vocab, built.model_version).start()
     sas_ranker = SASRecRanker(sasrec, sas_hist)
-    sas_server = RankServer(cfg, sas_ranker, vocab, "bench-sasrec", lambda user: None)
+    s = cfg.server
+    sas_loop = EngineLoop(
+        sas_ranker, window_ms=s.batch_window_ms, max_batch=s.max_batch, adaptive=s.adaptive_window
+    ).start()
+    sas_server = RankServer(cfg, sas_loop, vocab, "bench-sasrec")
     sas_server.start()
     conn.send(
         {
@@ -276,7 +287,7 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
             "device": device,
             "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else cpu_name(),
             "torch_threads": torch.get_num_threads(),
-            "ingest": built["ingest"],
+            "ingest": made["ingest"],
             "config": {
                 "memory": cfg.to_dict()["memory"],
                 "model": cfg.to_dict()["model"],
@@ -289,14 +300,16 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
     )  # fmt: skip
     servers = {"memory": memory_server, "sasrec": sas_server}
     feed = (
-        IngestFeed(stack, vocab, hist, args.items, args.ingest_rate) if args.ingest_rate else None
+        IngestFeed(built.loop, vocab, hist, args.items, args.ingest_rate)
+        if args.ingest_rate
+        else None
     )
     while True:
         msg = conn.recv()
         if msg == "stop":
             break
-        b = servers[msg].batcher
-        steps = dict(stack.ranker.seconds) if msg == "memory" else {}
+        b = servers[msg].loop.counts
+        steps = dict(built.ranker.seconds) if msg == "memory" else {}
         conn.send(
             {
                 "batches": b.batches,
@@ -304,15 +317,16 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
                 "busy_s": b.busy_seconds,
                 "collect_s": b.collect_seconds,
                 "steps": steps,
-                "cache": dict(stack.ranker.cache_counts),
+                "cache": dict(built.ranker.cache_counts),
                 "ingested": feed.applied if feed is not None else 0,
             }
         )
     if feed is not None:
         feed.stop()
-    for s in servers.values():
-        s.stop(grace=1.0)
-    stack.engine.store.close()
+    for srv in servers.values():
+        srv.stop(grace=1.0)
+    sas_loop.stop()
+    built.close()
 
 
 # ---- client ------------------------------------------------------------------------------

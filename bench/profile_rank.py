@@ -3,8 +3,9 @@
     .venv/bin/python bench/profile_rank.py [--device auto|cpu|cuda] [--batches 1,8,32]
         [--replay 0,2] [--calls N] [--profile] [--set section.field=value ...] [--out DIR]
 
-Builds the same stack as bench/bench_rank.py (default configuration, freshly initialised
-model, synthetic Zipf histories ingested through ``Engine.apply``), then for each batch
+Builds the same engine as bench/bench_rank.py (``build_engine``: default configuration,
+freshly initialised model, synthetic Zipf histories ingested through ``Engine.apply``; the
+loop not started, this thread drives the Ranker), then for each batch
 size B and R calls ``Ranker.rank`` on B requests of distinct random users (100 candidates,
 k = 10) ``--calls`` times and records per call the wall time (the device synchronised after
 each call) and the Ranker's own per-step split. With ``--profile`` it also records a
@@ -58,7 +59,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="profile-rank-") as spill:
         args.spill_dir = spill
         built = build_memory_stack(args)
-        ranker = built["stack"].ranker
+        ranker = built["built"].ranker
         dev = built["device"]
         cuda = dev.startswith("cuda")
 
@@ -128,7 +129,7 @@ def main() -> None:
                     tables.append(f"## B={B} R={R} (10 calls), by {key}\n{tab}\n")
                     if cuda:
                         tables.append(f"## B={B} R={R} (10 calls), by CPU time\n{cpu_tab}\n")
-        built["stack"].engine.store.close()
+        built["built"].close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"profile_rank_{'gpu' if cuda else 'cpu'}{args.tag}"

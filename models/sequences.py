@@ -7,8 +7,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ACTIONS: tuple[str, ...] = ("view", "click", "cart", "purchase", "rating", "other")
-"""Action vocabulary; index = position in this tuple (SPEC section 2 enum order)."""
+from proto.actions import ACTIONS
+
+__all__ = ["ACTIONS", "EventSeqs"]
+# ACTIONS: the action vocabulary; index = position in the tuple, read from the wire
+# format's Action enum (SPEC section 2 order).
 
 
 @dataclass

@@ -141,7 +141,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def run_train(cfg: Config, out_dir: str | os.PathLike[str], kind: str = "memory") -> dict[str, Any]:
-    """Train on ``cfg.data.dataset`` and write ``out_dir/model.pt`` and ``metrics.json``."""
+    """Train on ``cfg.data.dataset`` and write ``out_dir/model.safetensors`` and ``metrics.json``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -33,22 +33,66 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from models.state import MemoryState
+from recmem.config import Config
 from recmem.state_store import StateLayout, state_from_numpy, state_to_numpy
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: meta.json carries the settings that shape the stored data (``data_settings``) and the
+source topic's identity; 1 (a config hash only) is refused."""
 MANIFEST = "MANIFEST.json"
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+RUNTIME_ONLY = {
+    "memory": ("backend", "chunk_size"),
+    "model": ("dropout",),
+    "archive": ("replay_notes", "min_votes"),
+}
+"""Fields of those sections that do not shape stored data: how this machine computes the
+rule, training-only settings, and what a rank request asks for by default."""
+
+
+def data_settings(cfg: Config) -> dict[str, Any]:
+    """Every setting that shapes what a checkpoint stores, as ``section.field`` -> value:
+    the memory and model sections (the states' meaning and the window), the archive's
+    note selection and addresses (and the seed of their coordinate selection), and the
+    number of latest events kept per user. A checkpoint written under other values is
+    refused: its states, notes or tails mean something else."""
+    out: dict[str, Any] = {}
+    full = cfg.to_dict()
+    for section in ("memory", "model", "archive"):
+        for name, value in full[section].items():
+            if name not in RUNTIME_ONLY.get(section, ()):
+                out[f"{section}.{name}"] = value
+    out["train.seed"] = cfg.train.seed  # seeds the archive's address coordinates
+    out["recent_events"] = max(1, cfg.server.replay_query_events)
+    return out
+
+
+def settings_diff(stored: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """Human-readable differences ``name: checkpoint X, this service Y``."""
+    names = sorted(set(stored) | set(ours))
+    return [
+        f"{n}: checkpoint {stored.get(n, '<unset>')!r}, this service {ours.get(n, '<unset>')!r}"
+        for n in names
+        if stored.get(n) != ours.get(n)
+    ]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is incomplete, corrupted or incompatible with this service."""
+
+
+class IncompatibleCheckpoint(CheckpointError):
+    """A complete checkpoint this service must not continue: another format or other
+    settings. Never skipped silently (an older restore point would have the same problem)."""
 
 
 @dataclass
@@ -65,10 +109,12 @@ class PartitionCheckpoint:
     state: MemoryState
     notes_parts: list[tuple[list[str], dict[str, np.ndarray] | None]]
     model_version: str
-    config_hash: str
+    settings: dict[str, Any]
     seq: int
     path: Path
     chain: list[str]
+    source: dict[str, Any]
+    """What the newest checkpoint recorded about its source (topic id, last record)."""
 
 
 @dataclass
@@ -81,10 +127,11 @@ class _Loaded:
     state: MemoryState
     notes: dict[str, np.ndarray] | None
     model_version: str
-    config_hash: str
+    settings: dict[str, Any]
     seq: int
     path: Path
     parent: str | None
+    source: dict[str, Any]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -169,14 +216,17 @@ class CheckpointStore:
         next_offset: int,
         *,
         model_version: str,
-        config_hash: str,
+        settings: dict[str, Any],
         notes: dict[str, np.ndarray] | None = None,
         parent: str | None = None,
+        source: dict[str, Any] | None = None,
     ) -> Path:
         """Write one checkpoint of ``partition`` and make it the newest. Without ``parent``
         it is full (every user of the partition); with ``parent`` (the name of an earlier
         checkpoint of this partition) it is a delta holding only the users that changed
-        since ``parent``, and restoring it reads the chain back to the last full one."""
+        since ``parent``, and restoring it reads the chain back to the last full one.
+        ``settings``: ``data_settings`` of the writer; ``source``: what identifies the
+        records the offset points into (``topic_id``, ``last_record``)."""
         if parent is not None and not (
             _NAME_OK.match(parent) and (self._pdir(partition) / parent / "meta.json").exists()
         ):
@@ -208,7 +258,8 @@ class CheckpointStore:
             "next_offset": int(next_offset),
             "n_users": len(user_ids),
             "model_version": model_version,
-            "config_hash": config_hash,
+            "settings": settings,
+            "source": dict(source or {}),
             "layout": {
                 "n_layers": self.layout.n_layers,
                 "n_heads": self.layout.n_heads,
@@ -275,15 +326,17 @@ class CheckpointStore:
         return sorted(keep, reverse=True)
 
     def restore(
-        self, partition: int, *, config_hash: str | None = None
+        self, partition: int, *, settings: dict[str, Any] | None = None
     ) -> PartitionCheckpoint | None:
         """The newest checkpoint of ``partition`` whose whole chain passes its checks, or
-        None if there is none. Corrupted ones are skipped with a warning. A checkpoint
-        written under another config hash raises :class:`CheckpointError` (its states mean
-        something else)."""
+        None if there is none. Corrupted ones are skipped with a warning. One of another
+        format, or written under other ``settings``, raises :class:`IncompatibleCheckpoint`
+        naming each setting that differs (its states mean something else)."""
         for name in self._manifest(partition):
             try:
                 chain = self._load_chain(partition, name)
+            except IncompatibleCheckpoint:
+                raise
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning(
                     "partition %d: checkpoint %s is unusable (%s); trying the previous one",
@@ -293,11 +346,12 @@ class CheckpointStore:
                 )
                 continue
             newest = chain[-1]
-            if config_hash is not None and newest.config_hash != config_hash:
-                raise CheckpointError(
-                    f"partition {partition}: checkpoint {newest.path} was written with config "
-                    f"hash {newest.config_hash}, this service has {config_hash}; move it away "
-                    "to start fresh"
+            diff = settings_diff(newest.settings, settings) if settings is not None else []
+            if diff:
+                raise IncompatibleCheckpoint(
+                    f"partition {partition}: checkpoint {newest.path} was written under other "
+                    f"settings ({'; '.join(diff)}); run with those settings, or move "
+                    f"{self.root} away to start fresh"
                 )
             return self._merge(chain)
         return None
@@ -310,8 +364,8 @@ class CheckpointStore:
             ck = self._load(partition, self._pdir(partition) / cur)
             if chain and ck.seq >= chain[-1].seq:
                 raise CheckpointError(f"{cur} is not older than its child {chain[-1].path.name}")
-            if chain and ck.config_hash != chain[-1].config_hash:
-                raise CheckpointError(f"{cur} has another config hash than its child")
+            if chain and ck.settings != chain[-1].settings:
+                raise CheckpointError(f"{cur} has other settings than its child")
             chain.append(ck)
             cur = ck.parent
         return chain[::-1]
@@ -342,16 +396,21 @@ class CheckpointStore:
             state=state,
             notes_parts=[(ck.user_ids, ck.notes) for ck in chain],
             model_version=newest.model_version,
-            config_hash=newest.config_hash,
+            settings=newest.settings,
             seq=newest.seq,
             path=newest.path,
             chain=[ck.path.name for ck in chain],
+            source=newest.source,
         )
 
     def _load(self, partition: int, path: Path) -> _Loaded:
         meta = json.loads((path / "meta.json").read_text())
         if meta.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"unknown checkpoint format {meta.get('format')!r}")
+            raise IncompatibleCheckpoint(
+                f"{path}: checkpoint format {meta.get('format')!r}, this service reads "
+                f"{FORMAT_VERSION} (format 1 recorded a config hash only, not the settings "
+                f"and topic identity); move {self.root} away to start fresh"
+            )
         if int(meta["partition"]) != partition:
             raise CheckpointError(f"belongs to partition {meta['partition']}")
         blobs: dict[str, bytes] = {}
@@ -388,8 +447,9 @@ class CheckpointStore:
             state=state,
             notes=notes,
             model_version=str(meta["model_version"]),
-            config_hash=str(meta["config_hash"]),
+            settings=dict(meta["settings"]),
             seq=int(meta["seq"]),
             path=path,
             parent=parent,
+            source=dict(meta.get("source") or {}),
         )

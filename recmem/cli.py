@@ -112,10 +112,10 @@ def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
 def _cmd_ingest(args: argparse.Namespace, cfg: Config) -> int:
     from recmem.ingest import run_ingest
 
-    totals = run_ingest(cfg, init_model=args.init_model)
+    built, totals = run_ingest(cfg, init_model=args.init_model)
     print(
-        f"ingest stopped: {totals.events} events applied in {totals.batches} batches, "
-        f"{totals.checkpoints} checkpoints written"
+        f"ingest stopped: {built.engine.totals.events} events applied in {totals.batches} "
+        f"batches, {totals.checkpoints} checkpoints written"
     )
     return 0
 

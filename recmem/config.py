@@ -100,6 +100,11 @@ class StateConfig:
     spill_dir: str = "runs/state-spill"
     """Where users evicted from host memory are written (a cache: each process uses a private
     subdirectory, removed on exit; checkpoints are the durable copy)."""
+    dedupe_window: int = 64
+    """Duplicate events: an event whose key (its event_id when the producer set one, else
+    item, ts_ms and action) equals that of one of its user's last this-many accepted events
+    is dropped and counted (recmem_ingest_duplicate_events_total); 0 = apply every event
+    (docs/ingest.md, Duplicate events)."""
     length_buckets: str = "auto"
     """Engine step: on = run a micro-batch's users in power-of-two length buckets (one memory
     update per bucket) so that padding stays under 2x the events; off = one update for the
@@ -237,13 +242,6 @@ class ServerConfig:
     """When the service turns SERVING: one full garbage collection, then ``gc.freeze()``, so
     Python's cyclic collector never walks the long-lived heap (notes, tails, vocabulary)
     in the middle of a rank call (a full pass over the rank benchmark's heap takes ~0.3 s)."""
-    read_ahead: bool = False
-    """Route replay requests without context as the micro-batcher takes them from the queue
-    (``Ranker.prepare``; used only while the user's tail and notes are unchanged) instead
-    of in the batch. Off: under closed-loop load the requests of a batch arrive together
-    and routing them while the gRPC threads parse the arrivals cost twice as much (CPU
-    bench at c=8: p50 1-3 ms worse; on a 16-core GPU host p50 2-4 ms worse, because the
-    batcher then routes while it collects: bench/experiments/read_ahead_gpu/)."""
 
 
 @dataclass

@@ -66,6 +66,7 @@ RANGES: dict[str, str] = {
     "kafka.metrics_port": "[0, 65535]",
     "state.device_capacity": "[1, inf)",
     "state.host_capacity": "[0, inf)",
+    "state.dedupe_window": "[0, inf)",
     "checkpoint.interval_s": "[0, inf)",
     "checkpoint.keep": "[1, inf)",
     "checkpoint.full_every": "[0, inf)",
@@ -101,6 +102,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.loss": ("full", "sampled"),
     "eval.exclude_seen": ("auto", "yes", "no"),
     "state.length_buckets": ("auto", "on", "off"),
+    "kafka.on_topic_mismatch": ("fail", "earliest", "latest"),
+    "kafka.on_offset_out_of_range": ("fail", "earliest", "latest"),
     "kafka.security_protocol": ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     "kafka.sasl_mechanism": ("", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"),
 }

@@ -5,7 +5,7 @@ in recmem.synthetic.
 
 Every loader returns a :class:`Dataset` whose ``events`` frame has the columns
 ``user_id`` (str), ``item_id`` (str), ``ts_ms`` (i64), ``action`` (str, one of
-``models.sequences.ACTIONS``), ``value`` (f32) and ``category`` (str or null: the item's
+``proto.actions.ACTIONS``), ``value`` (f32) and ``category`` (str or null: the item's
 whole category set, '|'-joined), sorted by (ts_ms, user_id, item_id) as
 :func:`sort_events` defines it: an id column whose every value is an integer compares as
 integers (SPEC 7.1), any other as strings.

@@ -31,11 +31,10 @@ answer comes from the context alone (a fresh zero state).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -80,26 +79,51 @@ class UserEvents:
         )
 
 
-@dataclass(frozen=True)
-class Prefetched:
-    """What ``Ranker.prepare`` read ahead for a replay request without context."""
+class ReplayCache:
+    """User vectors after replay per (user, R), LRU, at most ``size`` entries (0 = off).
 
-    version: int
-    """The user's change counter (``RankSources.versions``) read before the rest."""
-    query_events: UserEvents
-    """The user's latest events (the routing query, re-read after the replay)."""
-    notes: tuple[UserEvents, ...] | None
-    """The notes routed on their stored q~; None when no q~ was stored (computed later)."""
+    Without context a replay request's answer depends only on the user's state, latest
+    events and notes, which change only when the engine changes the user; the engine owns
+    the cache and forgets every user it changes (applied events, restored or dropped
+    partitions), so a kept vector is always the one a fresh replay gives."""
 
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise ValueError("replay cache size must be >= 0")
+        self.size = size
+        self._kept: OrderedDict[tuple[str, int], tuple[torch.Tensor, int]] = OrderedDict()
+        self._keys_of: dict[str, set[int]] = {}
+        self.counts = {"hits": 0, "stored": 0}
+        """Replay requests answered from the cache, and vectors stored into it."""
 
-@dataclass(frozen=True)
-class _Replayed:
-    """A user vector after replay, valid while the user's counter and position stay."""
+    def __len__(self) -> int:
+        return len(self._kept)
 
-    version: int
-    position: int
-    vec: torch.Tensor
-    notes: int
+    def get(self, user_id: str, r: int) -> tuple[torch.Tensor, int] | None:
+        """(memory read-out after replay, notes replayed), or None."""
+        got = self._kept.get((user_id, r))
+        if got is not None:
+            self._kept.move_to_end((user_id, r))
+            self.counts["hits"] += 1
+        return got
+
+    def put(self, user_id: str, r: int, vec: torch.Tensor, notes: int) -> None:
+        if self.size == 0:
+            return
+        self._kept[(user_id, r)] = (vec, notes)
+        self._kept.move_to_end((user_id, r))
+        self._keys_of.setdefault(user_id, set()).add(r)
+        self.counts["stored"] += 1
+        while len(self._kept) > self.size:
+            (old, old_r), _ = self._kept.popitem(last=False)
+            self._keys_of.get(old, set()).discard(old_r)
+
+    def forget(self, user_ids: Sequence[str]) -> None:
+        if not self._kept:
+            return
+        for user in user_ids:
+            for r in self._keys_of.pop(user, ()):
+                self._kept.pop((user, r), None)
 
 
 @dataclass(frozen=True)
@@ -112,8 +136,6 @@ class RankQuery:
     replay_notes: int = 0
     """R; 0 = replay off."""
     context: UserEvents = field(default_factory=UserEvents.empty)
-    prefetched: Prefetched | None = None
-    """Set by ``Ranker.prepare``; used only while the user's notes and tail are unchanged."""
     request_ts_ms: int = 0
     """When the question is asked (ms since the epoch); 0 = the server's clock at ranking."""
 
@@ -157,20 +179,24 @@ class RankSources(Protocol):
         returns (None when not kept: the Ranker then computes them on a copy)."""
         ...
 
-    def route(self, user_id: str, queries: torch.Tensor, n_notes: int) -> list[UserEvents]:
-        """Top ``n_notes`` notes for masked queries q~ [Q, L, H, K], in time order."""
-        ...
-
     def route_many(
         self, requests: Sequence[tuple[str, torch.Tensor, int]]
     ) -> list[list[UserEvents]]:
-        """``route`` for several (user, q~, n_notes) requests at once, answers in order."""
+        """Top ``n_notes`` notes for masked queries q~ [Q, L, H, K], in time order, for
+        several (user, q~, n_notes) requests at once, answers in order."""
         ...
 
-    def versions(self, user_ids: Sequence[str]) -> list[int] | None:
-        """Per user, a counter that moves whenever the user's recent events (and their q~)
-        or notes change; None when not tracked (then nothing is read ahead)."""
-        ...
+
+@dataclass(frozen=True)
+class UserVectors:
+    """``Ranker.user_vectors``: one row per query."""
+
+    vectors: torch.Tensor
+    """[B, D] user vectors at each request's time."""
+    positions: list[int]
+    """The users' live positions (before context and replay)."""
+    notes_replayed: list[int]
+    from_cache: list[bool]
 
 
 def train_popularity(items: np.ndarray, n_items: int) -> np.ndarray:
@@ -200,7 +226,9 @@ class Ranker:
 
     ``popularity`` [n_items] scores the cold-start answer (None: every item scores 0 and
     the catalog order decides). ``query_events``: how many of the user's latest events
-    form the routing query when a replay request carries no context.
+    form the routing query when a replay request carries no context. ``replay_cache``:
+    user vectors after replay kept by the sources' owner (the engine forgets a user's
+    entries whenever it changes the user); None: always replay.
     """
 
     def __init__(
@@ -211,7 +239,7 @@ class Ranker:
         query_events: int = 1,
         cuda_graphs: bool = False,
         max_batch: int = 64,
-        replay_cache: int = 0,
+        replay_cache: ReplayCache | None = None,
     ) -> None:
         if popularity is not None and len(popularity) != model.n_items:
             raise ValueError(
@@ -232,18 +260,15 @@ class Ranker:
         self._by_popularity = np.argsort(-self.popularity, kind="stable")
         self.batches = 0
         """Micro-batches ranked so far."""
-        self.seconds = dict.fromkeys(("snapshot", "route", "replay", "score", "prepare"), 0.0)
+        self.seconds = dict.fromkeys(("snapshot", "route", "replay", "score"), 0.0)
         """Wall time spent so far per step of ``rank`` (host clock: on a GPU the kernels of
-        one step may finish in a later one, where the results are copied back), and in
-        ``prepare`` (summed over the calling threads)."""
-        self._prepare_lock = threading.Lock()
-        if replay_cache < 0:
-            raise ValueError("replay_cache must be >= 0")
-        self.replay_cache = replay_cache
-        """How many (user, R) user vectors after replay are kept (0 = none)."""
-        self._replayed: OrderedDict[tuple[str, int], _Replayed] = OrderedDict()
-        self.cache_counts = {"hits": 0, "stored": 0}
+        one step may finish in a later one, where the results are copied back)."""
+        self.cache = replay_cache
+
+    @property
+    def cache_counts(self) -> dict[str, int]:
         """Replay requests answered from the cache, and vectors stored into it."""
+        return dict(self.cache.counts) if self.cache is not None else {"hits": 0, "stored": 0}
 
     @property
     def n_items(self) -> int:
@@ -278,116 +303,101 @@ class Ranker:
             return self.graphs(items, actions, ts, lengths, state)
         return self.model.replay_read(items, actions, ts, lengths, state)
 
-    def prepare(self, query: RankQuery) -> RankQuery:
-        """Read ahead what the rank step of a replay request without context reads besides
-        the state: the user's latest events and the notes routed on their stored q~. With
-        ``server.read_ahead`` the service's micro-batcher calls it on each request as it
-        takes it from the queue (off by default: see docs/serving.md, Read-ahead).
-        ``rank`` uses the result only when the user's counter (``RankSources.versions``),
-        read after the state snapshot, still equals the one read here before the rest:
-        then the tail and notes are the ones ``rank`` would read itself; otherwise it reads
-        them again. The answer is the same either way."""
-        if not query.replay_notes or len(query.context) or query.prefetched is not None:
-            return query
-        began = time.perf_counter()
-        version = self.sources.versions([query.user_id])
-        if version is None:
-            return query
-        events = self.sources.recent_events(query.user_id, self.query_events)
-        stored = self.sources.recent_queries(query.user_id, self.query_events)
-        notes = None
-        if len(events) and stored is not None and len(stored) == len(events):
-            notes = tuple(self.sources.route(query.user_id, stored, query.replay_notes))
-        with self._prepare_lock:
-            self.seconds["prepare"] += time.perf_counter() - began
-        return replace(query, prefetched=Prefetched(version[0], events, notes))
-
     @torch.inference_mode()
     def rank(self, queries: Sequence[RankQuery]) -> list[RankResult]:
         """Rank a micro-batch; results in request order."""
         if not queries:
             return []
-        self.model.eval()
         self.batches += 1
+        uv = self._user_vectors(queries)
+        cold = [p == 0 and len(q.context) == 0 for p, q in zip(uv.positions, queries)]
+        clock = time.perf_counter()
+        top = self._score(queries, uv.vectors, cold)
+        self._lap("score", clock)
+        return [
+            RankResult(
+                items=top[i][0],
+                scores=top[i][1],
+                position=int(uv.positions[i]),
+                cold_start=cold[i],
+                notes_replayed=uv.notes_replayed[i],
+                context_applied=len(q.context),
+                from_cache=uv.from_cache[i],
+            )
+            for i, q in enumerate(queries)
+        ]
+
+    @torch.inference_mode()
+    def user_vectors(self, queries: Sequence[RankQuery]) -> UserVectors:
+        """The user vector of each query, as ``rank`` scores it: what offline evaluation
+        of the rank path (offline_eval.notebank_eval) reads. An unknown user without
+        context gets a zero state's vector (``rank`` answers it with popularity)."""
+        return self._user_vectors(queries)
+
+    def _user_vectors(self, queries: Sequence[RankQuery]) -> UserVectors:
+        self.model.eval()
         clock = time.perf_counter()
         users = [q.user_id for q in queries]
-        cacheable = [
-            i
-            for i, q in enumerate(queries)
-            if self.replay_cache and q.replay_notes and not len(q.context)
-        ]
-        # read before the snapshot: equal after it means no engine step came in between
-        before = self.sources.versions(users) if cacheable else None
         base = self._move(self.sources.snapshot(users))
-        # after the snapshot: an engine step between a read-ahead and here moved the counter
-        versions = self.sources.versions(users) if any(q.prefetched for q in queries) else None
         live_pos = base.pos.tolist()
-        cold = [p == 0 and len(q.context) == 0 for p, q in zip(live_pos, queries)]
-        hits = self._cached(queries, cacheable, before, live_pos)
+        hits: dict[int, tuple[torch.Tensor, int]] = {}
+        if self.cache is not None and self.cache.size:
+            for i, q in enumerate(queries):
+                if q.replay_notes and not len(q.context) and live_pos[i] > 0:
+                    got = self.cache.get(q.user_id, q.replay_notes)
+                    if got is not None:
+                        hits[i] = got
         clock = self._lap("snapshot", clock)
 
         # Query events: the context, else (replay only) the user's latest events.
         query_ev: list[UserEvents] = []
         stored_q: list[torch.Tensor | None] = []
-        routed: list[tuple[UserEvents, ...] | None] = [None] * len(queries)
         for i, (q, p) in enumerate(zip(queries, live_pos)):
-            pf = q.prefetched
             if len(q.context) or not q.replay_notes or p == 0 or i in hits:
                 query_ev.append(q.context)
                 stored_q.append(None)
-            elif pf is not None and versions is not None and versions[i] == pf.version:
-                query_ev.append(pf.query_events)
-                stored_q.append(None)
-                routed[i] = pf.notes
             else:
                 query_ev.append(self.sources.recent_events(q.user_id, self.query_events))
                 stored_q.append(self.sources.recent_queries(q.user_id, self.query_events))
 
-        notes = self._route(queries, base, query_ev, stored_q, live_pos, routed)
+        notes = self._route(queries, base, query_ev, stored_q, live_pos)
         clock = self._lap("route", clock)
 
         final_rows = [
             UserEvents.concat([*ns, qe]) if ns else q.context
             for q, qe, ns in zip(queries, query_ev, notes)
         ]
-        user_vec = base.h
+        mem = base.h
         busy = [i for i, r in enumerate(final_rows) if len(r)]
         if len(busy) == len(queries):
             # every row runs (the read-out-only pass never writes the snapshot)
             items, actions, ts, lengths = _pad(final_rows, self.device)
-            user_vec = self._replay(items, actions, ts, lengths, base)
+            mem = self._replay(items, actions, ts, lengths, base)
         elif busy:
             # only the rows with events run; the others keep their stored read-out
             rows = torch.as_tensor(busy, device=self.device)
             items, actions, ts, lengths = _pad([final_rows[i] for i in busy], self.device)
             vec = self._replay(items, actions, ts, lengths, base.index(rows))
-            user_vec = base.h.index_copy(0, rows, vec)
+            mem = base.h.index_copy(0, rows, vec)
 
         if hits:
             rows = torch.as_tensor(list(hits), device=self.device)
-            vecs = torch.stack([h.vec for h in hits.values()])
-            user_vec = user_vec.index_copy(0, rows, vecs.to(user_vec.dtype))
-        if before is not None:
-            self._store(queries, cacheable, before, live_pos, query_ev, notes, user_vec, hits)
-        user_vec = self._read_users(queries, base, user_vec)
-        results: list[RankResult] = []
-        clock = self._lap("replay", clock)
-        top = self._score(queries, user_vec, cold)
-        self._lap("score", clock)
-        for i, q in enumerate(queries):
-            idx, sc = top[i]
-            results.append(
-                RankResult(
-                    items=idx,
-                    scores=sc,
-                    position=int(live_pos[i]),
-                    cold_start=cold[i],
-                    notes_replayed=hits[i].notes if i in hits else len(notes[i]),
-                    context_applied=len(q.context),
-                    from_cache=i in hits,
-                )
-            )
-        return results
+            vecs = torch.stack([h[0] for h in hits.values()])
+            mem = mem.index_copy(0, rows, vecs.to(mem.dtype))
+        if self.cache is not None and self.cache.size:
+            for i, q in enumerate(queries):
+                if i not in hits and q.replay_notes and not len(q.context) and notes[i]:
+                    self.cache.put(q.user_id, q.replay_notes, mem[i].clone(), len(notes[i]))
+        vectors = self._read_users(queries, base, mem)
+        self._lap("replay", clock)
+        return UserVectors(
+            vectors=vectors,
+            positions=[int(p) for p in live_pos],
+            notes_replayed=[
+                hits[i][1] if i in hits else len(notes[i]) for i in range(len(queries))
+            ],
+            from_cache=[i in hits for i in range(len(queries))],
+        )
 
     def _read_users(
         self, queries: Sequence[RankQuery], base: MemoryState, mem: torch.Tensor
@@ -407,55 +417,6 @@ class Ranker:
             state = base.put_rows(rows, pushed)
         return self.model.read_user(state, req, mem=mem)
 
-    def _cached(
-        self,
-        queries: Sequence[RankQuery],
-        cacheable: Sequence[int],
-        before: Sequence[int] | None,
-        live_pos: Sequence[int],
-    ) -> dict[int, _Replayed]:
-        """Rows answered by a stored vector: same (user, R), counter and position."""
-        hits: dict[int, _Replayed] = {}
-        if before is None:
-            return hits
-        for i in cacheable:
-            key = (queries[i].user_id, queries[i].replay_notes)
-            got = self._replayed.get(key)
-            if got is not None and got.version == before[i] and got.position == live_pos[i] > 0:
-                self._replayed.move_to_end(key)
-                hits[i] = got
-        self.cache_counts["hits"] += len(hits)
-        return hits
-
-    def _store(
-        self,
-        queries: Sequence[RankQuery],
-        cacheable: Sequence[int],
-        before: Sequence[int],
-        live_pos: Sequence[int],
-        query_ev: Sequence[UserEvents],
-        notes: Sequence[Sequence[UserEvents]],
-        user_vec: torch.Tensor,
-        hits: dict[int, _Replayed],
-    ) -> None:
-        """Keep the replayed vectors of this batch when no engine step touched their users
-        since ``before`` was read (then the snapshot was of that version)."""
-        todo = [i for i in cacheable if i not in hits and live_pos[i] > 0 and len(query_ev[i])]
-        if not todo:
-            return
-        after = self.sources.versions([queries[i].user_id for i in todo])
-        if after is None:
-            return
-        for i, v in zip(todo, after, strict=True):
-            if v != before[i]:
-                continue
-            key = (queries[i].user_id, queries[i].replay_notes)
-            self._replayed[key] = _Replayed(v, live_pos[i], user_vec[i].clone(), len(notes[i]))
-            self._replayed.move_to_end(key)
-            self.cache_counts["stored"] += 1
-        while len(self._replayed) > self.replay_cache:
-            self._replayed.popitem(last=False)
-
     def _lap(self, step: str, since: float) -> float:
         now = time.perf_counter()
         self.seconds[step] += now - since
@@ -473,11 +434,9 @@ class Ranker:
         query_ev: Sequence[UserEvents],
         stored_q: Sequence[torch.Tensor | None],
         live_pos: Sequence[int],
-        routed: Sequence[tuple[UserEvents, ...] | None],
     ) -> list[list[UserEvents]]:
-        """Notes to replay per request: already routed (read ahead), else q~ of the query
-        events (stored, or one kq pass on a temporary copy for the rest), then the
-        archive's vote per user."""
+        """Notes to replay per request: q~ of the query events (stored, or one kq pass on a
+        temporary copy for the rest), then the archive's vote per user."""
         want = [
             i
             for i, q in enumerate(queries)
@@ -488,10 +447,7 @@ class Ranker:
         todo = []
         for i in want:
             got = stored_q[i]
-            ready = routed[i]
-            if ready is not None:
-                notes[i] = list(ready)
-            elif got is not None and len(got) == len(query_ev[i]):
+            if got is not None and len(got) == len(query_ev[i]):
                 q_tilde[i] = got
             else:
                 todo.append(i)

@@ -24,8 +24,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from models.config import MemoryConfig, ModelConfig
 from models.state import MemoryState
-from recmem.config import MemoryConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -371,6 +371,14 @@ class UserStateStore:
                 self._disk.discard(user)
                 n += 1
         return n
+
+    def tier_of(self, user: str) -> str:
+        """ "device" | "host" | "disk" for a known user, "" for an unknown one."""
+        if user in self._slot_of:
+            return "device"
+        if user in self._host:
+            return "host"
+        return "disk" if user in self._disk else ""
 
     def tier_counts(self) -> dict[str, int]:
         return {"device": len(self._slot_of), "host": len(self._host), "disk": len(self._disk)}

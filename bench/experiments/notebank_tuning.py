@@ -193,10 +193,14 @@ def main() -> None:
         fields = dict(setting)
         if "query_events" in fields:
             c.server.replay_query_events = int(fields.pop("query_events"))
-        final_pass = str(fields.pop("final_pass", "service"))
-        blend = float(fields.pop("blend", 1.0))
+        if fields.pop("final_pass", "service") != "service" or fields.pop("blend", 1.0) != 1.0:
+            raise SystemExit(
+                "final_pass and blend are gone: the scorer is the rank path "
+                "(reports/ml-100k-notebank-tuning documents those experiments)"
+            )
+        final_pass = "service"
         c.archive = dataclasses.replace(c.archive, **fields)
-        scorer = NotebankScorer(model, c, vocab, final_pass=final_pass, blend=blend)  # type: ignore[arg-type]
+        scorer = NotebankScorer(model, c, vocab)
         t0 = time.perf_counter()
         res = evaluate(scorer, split, args.part, cfg.eval, **kw)  # type: ignore[arg-type]
         entry = {

@@ -144,6 +144,10 @@ class NoteBank:
             l2_normalise(self._channels(k, n, "keys")).astype(PENDING_DTYPE),
             l2_normalise(self.address(self._channels(q, n, "queries"))).astype(PENDING_DTYPE),
         )
+        return self._append(user_id, new)
+
+    def _append(self, user_id: str, new: PendingEvents) -> int:
+        """Buffer prepared events (unit keys and addresses) and close full chunks."""
         with self._lock:
             ua = self._users.get(user_id)
             last = ua.last_position if ua is not None else -1
@@ -185,9 +189,23 @@ class NoteBank:
         notes written."""
         arrays = [_numpy(x, np.int64) for x in (items, actions, ts_ms, positions)]
         lens = _numpy(lengths, np.int64).reshape(-1)
-        k_a, q_a = _numpy(k, np.float32), _numpy(q, np.float32)
         if len(user_ids) != len(lens) or len(item_ids) != len(lens):
             raise ValueError("user_ids, item_ids and lengths differ in batch size")
+        if len(lens) == 0 or int(lens.max()) == 0:
+            return 0
+        B, T = len(lens), int(arrays[0].shape[1])
+        # the unit keys and addresses of the whole batch at once, then one slice per user
+        k_a = _numpy(k, np.float32).reshape(B, T, -1, self.key_dim)
+        q_a = _numpy(q, np.float32).reshape(B, T, -1, self.key_dim)
+        if k_a.shape[2] != self.n_channels or q_a.shape[2] != self.n_channels:
+            raise ValueError(
+                f"k and q must be [B, T, {self.n_channels}, {self.key_dim}] "
+                f"(or [B, T, L, H, {self.key_dim}]), got {list(k_a.shape)}, {list(q_a.shape)}"
+            )
+        valid = np.arange(T)[None, :] < lens[:, None]
+        finite = (np.isfinite(k_a).all(axis=(2, 3)) & np.isfinite(q_a).all(axis=(2, 3))) | ~valid
+        k_unit = l2_normalise(k_a).astype(PENDING_DTYPE)
+        u_unit = l2_normalise(q_a[..., self.coords]).astype(PENDING_DTYPE)
         it, ac, ts, po = arrays
         total = 0
         for b, uid in enumerate(user_ids):
@@ -195,10 +213,15 @@ class NoteBank:
             if not n:
                 continue
             try:
-                total += self.observe(
-                    uid, it[b, :n], item_ids[b], ac[b, :n], ts[b, :n], po[b, :n],
-                    k_a[b, :n], q_a[b, :n],
+                if len(item_ids[b]) != n:
+                    raise ValueError("item_ids differ in length from the user's events")
+                if not finite[b].all():
+                    raise ValueError("keys or queries have non-finite values")
+                new = PendingEvents(
+                    it[b, :n].copy(), [str(i) for i in item_ids[b]], ac[b, :n].copy(),
+                    ts[b, :n].copy(), po[b, :n].copy(), k_unit[b, :n], u_unit[b, :n],
                 )  # fmt: skip
+                total += self._append(uid, new)
             except ValueError as e:
                 # One user's inconsistent events must not stop the others' (nor ingest).
                 log.warning("NoteBank: skipped %d events of user %r: %s", n, uid, e)

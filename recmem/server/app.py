@@ -1,12 +1,12 @@
-"""The gRPC rank server: RecMem servicer + micro-batcher + Ranker, standard health checking
-and reflection, optional TLS and bearer token, graceful stop."""
+"""The gRPC rank server: the RecMem servicer in front of the engine loop (which micro-batches
+the requests), standard health checking and reflection, optional TLS and bearer token,
+graceful stop."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import time
-from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
@@ -15,12 +15,11 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.config import Config
-from recmem.ranking import BatchRanker, RankQuery, RankResult
+from recmem.engine import EngineLoop
 from recmem.server.auth import BearerTokenInterceptor, server_credentials
-from recmem.server.batcher import MicroBatcher
 from recmem.server.guards import CallArrivals, DecodeGuard
 from recmem.server.metrics import RankMetrics
-from recmem.server.servicer import Inspector, RecMemServicer
+from recmem.server.servicer import RecMemServicer
 from recmem.server.validation import Limits
 from recmem.vocab import ItemVocab
 from streams.validate import Limits as EventLimits
@@ -57,38 +56,30 @@ def settle_heap() -> float:
 
 
 class RankServer:
-    """Owns the grpc.Server, the batcher and the health servicer.
+    """Owns the grpc.Server and the health servicer, in front of an engine loop (started
+    and stopped by its owner: the service stops it after the last checkpoint).
 
     ``start()`` binds ``server.host:server.port`` (port 0 picks a free port; see ``port``),
-    ``stop(grace)`` reports NOT_SERVING, drains, then stops the batcher.
+    ``stop(grace)`` reports NOT_SERVING, drains, then lets in-flight calls finish.
     """
 
     def __init__(
         self,
         cfg: Config,
-        ranker: BatchRanker,
+        loop: EngineLoop,
         vocab: ItemVocab,
         model_version: str,
-        inspector: Inspector,
         metrics: RankMetrics | None = None,
     ) -> None:
-        if vocab.n_items != ranker.n_items:
-            raise ValueError(f"vocabulary has {vocab.n_items} items, the model {ranker.n_items}")
+        if vocab.n_items != loop.ranker.n_items:
+            raise ValueError(
+                f"vocabulary has {vocab.n_items} items, the model {loop.ranker.n_items}"
+            )
         s = cfg.server
         self.cfg = cfg
+        self.loop = loop
         self.metrics = metrics if metrics is not None else RankMetrics()
-
-        def run_batch(queries: Sequence[RankQuery]) -> list[RankResult]:
-            self.metrics.batch_size.observe(len(queries))
-            return ranker.rank(queries)
-
-        self.batcher: MicroBatcher[RankQuery, RankResult] = MicroBatcher(
-            run_batch,
-            window_ms=s.batch_window_ms,
-            max_batch=s.max_batch,
-            adaptive=s.adaptive_window,
-            prepare=getattr(ranker, "prepare", None) if s.read_ahead else None,
-        )
+        loop.add_batch_observer(self.metrics.batch_size.observe)
         self.arrivals = CallArrivals()
         guard = DecodeGuard(lambda method: self.metrics.undecodable.labels(method=method).inc())
         interceptors: list[grpc.ServerInterceptor] = [self.arrivals]
@@ -101,11 +92,10 @@ class RankServer:
             options=[("grpc.max_receive_message_length", s.max_message_bytes)],
         )
         servicer = RecMemServicer(
-            self.batcher,
+            loop,
             vocab,
             limits_from_config(cfg),
             model_version,
-            inspector,
             timeout_s=s.request_timeout_s,
             metrics=self.metrics,
         )
@@ -168,11 +158,11 @@ class RankServer:
         health turns NOT_SERVING at once; calls are answered as before until none has arrived
         for DRAIN_QUIET_S (clients and load balancers watching health go elsewhere); then the
         port closes and the calls still running get the rest of ``grace`` (at least its last
-        second, or half of a shorter ``grace``) to finish; then the batcher stops."""
+        second, or half of a shorter ``grace``) to finish. The engine loop is stopped by its
+        owner."""
         grace = self.cfg.server.shutdown_grace_s if grace is None else grace
         deadline = time.monotonic() + grace
         self.health.enter_graceful_shutdown()
         self.arrivals.wait_quiet(DRAIN_QUIET_S, deadline - min(1.0, grace / 2))
         self.server.stop(max(0.0, deadline - time.monotonic())).wait()
-        self.batcher.stop()
         log.info("rank service stopped")

@@ -1,19 +1,20 @@
-"""The RecMem gRPC servicer: a thin adapter that validates requests, hands them to the
-micro-batcher (one engine step per batch) and translates results back."""
+"""The RecMem gRPC servicer: a thin adapter that validates requests, hands them to the engine
+loop (recmem/engine/loop.py: micro-batches, one rank step per batch) and translates results
+back."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+from recmem.engine import LoopStopped, UserInfo
 from recmem.ranking import RankQuery, RankResult
-from recmem.server.batcher import BatcherStopped, MicroBatcher
 from recmem.server.metrics import RankMetrics
 from recmem.server.validation import InvalidRequest, Limits, to_query
 from recmem.vocab import ItemVocab
@@ -21,20 +22,12 @@ from recmem.vocab import ItemVocab
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class UserInfo:
-    """What InspectUser reports about a known user."""
+class RankBackend(Protocol):
+    """What the servicer hands requests to: the engine loop."""
 
-    position: int
-    last_ts_ms: int
-    unlocked_blocks: int
-    total_blocks: int
-    note_count: int
-    resident_tier: str
+    def submit(self, query: RankQuery) -> Future[RankResult]: ...
 
-
-Inspector = Callable[[str], UserInfo | None]
-"""user id -> UserInfo, or None for a user the service has never seen."""
+    def inspect(self, user_id: str, timeout: float | None = 30.0) -> UserInfo | None: ...
 
 
 class _Failure(Exception):
@@ -47,19 +40,17 @@ class _Failure(Exception):
 class RecMemServicer(rank_pb2_grpc.RecMemServicer):
     def __init__(
         self,
-        batcher: MicroBatcher[RankQuery, RankResult],
+        backend: RankBackend,
         vocab: ItemVocab,
         limits: Limits,
         model_version: str,
-        inspector: Inspector,
         timeout_s: float = 30.0,
         metrics: RankMetrics | None = None,
     ) -> None:
-        self._batcher = batcher
+        self._backend = backend
         self._vocab = vocab
         self._limits = limits
         self._model_version = model_version
-        self._inspector = inspector
         self._timeout_s = timeout_s
         self._metrics = metrics
 
@@ -87,8 +78,8 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         except InvalidRequest as e:
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
-            fut = self._batcher.submit(query)
-        except BatcherStopped as e:
+            fut = self._backend.submit(query)
+        except LoopStopped as e:
             raise _Failure(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         timeout = self._timeout_s if remaining is None else min(remaining, self._timeout_s)
         try:
@@ -98,9 +89,9 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             raise _Failure(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "rank did not finish in time"
             ) from None
-        except BatcherStopped as e:
+        except LoopStopped as e:
             raise _Failure(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        except Exception:  # noqa: BLE001 - logged by the batcher; the client gets INTERNAL
+        except Exception:  # noqa: BLE001 - logged by the engine loop; the client gets INTERNAL
             raise _Failure(grpc.StatusCode.INTERNAL, "rank failed; see the server log") from None
         if self._metrics is not None:
             self._metrics.notes_replayed.inc(res.notes_replayed)
@@ -126,7 +117,10 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
     ) -> rank_pb2.InspectUserResponse:
         if not request.user_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "user_id is empty")
-        info = self._inspector(request.user_id)
+        try:
+            info = self._backend.inspect(request.user_id)
+        except LoopStopped as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if info is None:
             return rank_pb2.InspectUserResponse(
                 user_id=request.user_id,

@@ -1,6 +1,7 @@
 """Shared setup of the rank tests: a small freshly initialised memory model, its vocabulary
-and TRAIN popularity, and the real engine + NoteBank (FAISS) stack fed through
-``Engine.apply`` as the Kafka ingest path would."""
+and TRAIN popularity, and the real engine + NoteBank (FAISS) built by ``build_engine``,
+fed through ``Engine.apply`` as the Kafka ingest path would. The engine loop is not started:
+the test thread drives the engine and the Ranker itself (``start_loop`` starts one)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 
 from models.recommender import MemoryRecommender
 from recmem.config import Config
-from recmem.ranking import UserEvents, train_popularity
-from recmem.server.stack import RankStack, build_rank_stack
+from recmem.engine import Engine, EngineLoop
+from recmem.engine.builder import BuiltEngine, build_engine
+from recmem.ranking import Ranker, UserEvents, train_popularity
+from recmem.server import RankServer
 from recmem.vocab import ItemVocab
 from streams.validate import ValidEvent
 
@@ -56,8 +59,16 @@ class RankEnv:
     model: MemoryRecommender
     vocab: ItemVocab
     popularity: np.ndarray
-    stack: RankStack
+    built: BuiltEngine
     history: dict[str, UserEvents]
+
+    @property
+    def engine(self) -> Engine:
+        return self.built.engine
+
+    @property
+    def ranker(self) -> Ranker:
+        return self.built.ranker
 
 
 def user_events(rng: np.random.Generator, n: int, t0: int = 1_000_000) -> UserEvents:
@@ -78,7 +89,10 @@ def make_env(spill_dir: Path, n_users: int = 6, seed: int = 0) -> RankEnv:
     rng = np.random.default_rng(seed)
     history = {f"user{u}": user_events(rng, EVENTS_PER_USER) for u in range(n_users)}
     popularity = train_popularity(np.concatenate([h.items for h in history.values()]), N_ITEMS)
-    stack = build_rank_stack(cfg, model, vocab, "test-model", popularity, device="cpu")
+    built = build_engine(
+        cfg, model=model, vocab=vocab, model_version="test-model", popularity=popularity,
+        device="cpu", start=False,
+    )  # fmt: skip
     for start in range(0, EVENTS_PER_USER, 10):
         batch = [
             ValidEvent(
@@ -87,5 +101,43 @@ def make_env(spill_dir: Path, n_users: int = 6, seed: int = 0) -> RankEnv:
             for user, h in history.items()
             for i in range(start, start + 10)
         ]
-        stack.engine.apply(batch)
-    return RankEnv(cfg, model, vocab, popularity, stack, history)
+        built.engine.apply(batch)
+    return RankEnv(cfg, model, vocab, popularity, built, history)
+
+
+def start_loop(env: RankEnv, **overrides: object) -> EngineLoop:
+    """An engine loop over the env's engine and Ranker (started). While it runs, only it
+    may touch the engine; stop it before the test thread does again."""
+    s = env.cfg.server
+    opts: dict = dict(
+        window_ms=s.batch_window_ms, max_batch=s.max_batch, adaptive=s.adaptive_window
+    )
+    opts.update(overrides)
+    return EngineLoop(env.ranker, env.engine, **opts).start()  # type: ignore[arg-type]
+
+
+def start_server(env: RankEnv, loop: EngineLoop) -> RankServer:
+    return RankServer(env.cfg, loop, env.vocab, env.built.model_version).start()
+
+
+class LoopServer(RankServer):
+    """A RankServer over its own engine loop, which ``stop`` stops too."""
+
+    def stop(self, grace: float | None = None) -> None:
+        super().stop(grace)
+        self.loop.stop()
+
+
+def loop_server(env: RankEnv, cfg: Config | None = None, ranker: object = None) -> LoopServer:
+    """A (not started) server over a started loop of ``env``'s engine and ``ranker``
+    (default the env's Ranker; a wrapper with ``rank`` and ``n_items`` will do)."""
+    cfg = cfg or env.cfg
+    s = cfg.server
+    loop = EngineLoop(
+        ranker or env.ranker,  # type: ignore[arg-type]
+        env.engine,
+        window_ms=s.batch_window_ms,
+        max_batch=s.max_batch,
+        adaptive=s.adaptive_window,
+    ).start()
+    return LoopServer(cfg, loop, env.vocab, env.built.model_version)

@@ -5,17 +5,22 @@ import numpy as np
 import pytest
 import torch
 
-from recmem.checkpoint import CheckpointError, CheckpointStore
+from recmem.checkpoint import (
+    CheckpointStore,
+    IncompatibleCheckpoint,
+    data_settings,
+)
 from recmem.state_store import StateLayout
 from tests.recmem.test_state_store import assert_state_equal, random_state
 
 LAYOUT = StateLayout(n_layers=2, n_heads=2, key_dim=4, value_dim=3, momentum=True, embed_dim=5)
+SET = {"memory.key_dim": 4, "archive.chunk_events": 32}
 
 
 def write(store, partition, n, offset, seed, notes=None):
     users = [f"u{partition}-{i}" for i in range(n)]
     st = random_state(LAYOUT, n, torch.Generator().manual_seed(seed))
-    store.write(partition, users, st, offset, model_version="m1", config_hash="c1", notes=notes)
+    store.write(partition, users, st, offset, model_version="m1", settings=SET, notes=notes)
     return users, st
 
 
@@ -25,7 +30,7 @@ def test_round_trip_with_notes_and_keep(tmp_path):
     for k in range(4):
         users, st = write(store, 3, 5, offset=100 + k, seed=k, notes=notes)
     write(store, 7, 2, offset=9, seed=9)
-    ckpt = store.restore(3, config_hash="c1")
+    ckpt = store.restore(3, settings=SET)
     assert ckpt is not None
     assert ckpt.next_offset == 103 and ckpt.user_ids == users
     assert_state_equal(ckpt.state, st)
@@ -71,7 +76,7 @@ def test_corrupted_newest_falls_back_with_warning(tmp_path, caplog):
         random_state(LAYOUT, 3, torch.Generator()),
         20,
         model_version="m1",
-        config_hash="c1",
+        settings=SET,
     )
     blob = bytearray((newest / "state.S.bin").read_bytes())
     blob[5] ^= 0xFF
@@ -94,16 +99,26 @@ def test_unreadable_manifest_scans_directories(tmp_path):
     assert store.restore(2).next_offset == 11
 
 
-def test_config_hash_mismatch_and_bad_inputs(tmp_path):
+def test_settings_mismatch_names_the_setting_and_bad_inputs(tmp_path):
     store = CheckpointStore(tmp_path, LAYOUT)
     users, st = write(store, 0, 2, offset=1, seed=0)
-    with pytest.raises(CheckpointError, match="config hash"):
-        store.restore(0, config_hash="other")
+    other = dict(SET, **{"archive.chunk_events": 16})
+    with pytest.raises(
+        IncompatibleCheckpoint, match="archive.chunk_events: checkpoint 32, this service 16"
+    ):
+        store.restore(0, settings=other)
+    # an older format is refused, never skipped for an older restore point
+    meta = next((tmp_path / "p-00000").glob("ckpt-*")) / "meta.json"
+    old = json.loads(meta.read_text())
+    meta.write_text(json.dumps(dict(old, format=1)))
+    with pytest.raises(IncompatibleCheckpoint, match="format 1"):
+        store.restore(0, settings=SET)
+    meta.write_text(json.dumps(old))
     with pytest.raises(ValueError, match="user ids"):
-        store.write(0, users[:1], st, 2, model_version="m", config_hash="c1")
+        store.write(0, users[:1], st, 2, model_version="m", settings=SET)
     with pytest.raises(ValueError, match="safe file name"):
         store.write(
-            0, users, st, 2, model_version="m", config_hash="c1", notes={"../x": st.pos.numpy()}
+            0, users, st, 2, model_version="m", settings=SET, notes={"../x": st.pos.numpy()}
         )
     # the failed write left nothing that a restore would read
     assert store.restore(0).next_offset == 1
@@ -123,7 +138,7 @@ def test_delta_chain_merges_and_keeps_what_it_needs(tmp_path):
             truth[u] = st.index(slice(i, i + 1))
         notes = {"n": np.array([offset])}
         return store.write(
-            0, names, st, offset, model_version="m", config_hash="c", notes=notes, parent=parent
+            0, names, st, offset, model_version="m", settings=SET, notes=notes, parent=parent
         ).name
 
     full = put(users, 10, None)
@@ -150,11 +165,31 @@ def test_corrupted_delta_falls_back_to_an_intact_chain(tmp_path, caplog):
     users, st = write(store, 0, 3, offset=10, seed=0)
     full = store.restore(0).path.name
     st2 = random_state(LAYOUT, 1, torch.Generator().manual_seed(1))
-    d1 = store.write(0, users[:1], st2, 11, model_version="m1", config_hash="c1", parent=full)
-    store.write(0, users[1:2], st2, 12, model_version="m1", config_hash="c1", parent=d1.name)
+    d1 = store.write(0, users[:1], st2, 11, model_version="m1", settings=SET, parent=full)
+    store.write(0, users[1:2], st2, 12, model_version="m1", settings=SET, parent=d1.name)
     (d1 / "users.json").write_bytes(b"[")
     with caplog.at_level(logging.WARNING, logger="recmem.checkpoint"):
         ckpt = store.restore(0)
     assert ckpt.chain == [full] and ckpt.next_offset == 10
     assert_state_equal(ckpt.state, st)
     assert caplog.text.count("unusable") == 2
+
+
+def test_data_settings_cover_what_shapes_stored_data():
+    from recmem.config import Config
+
+    cfg = Config()
+    base = data_settings(cfg)
+    for dotted in (
+        "memory.key_dim",
+        "model.window",
+        "model.hybrid",
+        "archive.chunk_events",
+        "archive.address_dim",
+        "train.seed",
+        "recent_events",
+    ):
+        assert dotted in base, dotted
+    # how this machine computes the rule, or what a request asks for, does not count
+    for dotted in ("memory.backend", "archive.replay_notes", "model.dropout"):
+        assert dotted not in base, dotted

@@ -68,7 +68,7 @@ def test_demo_streams_ranks_and_cleans_up(tmp_path):
     leftover = child_pids() - children_before
     assert not leftover, f"demo left processes running: {leftover}"
     # a second run reuses the trained model instead of training again
-    model_file = tmp_path / "model" / "model.pt"
+    model_file = tmp_path / "model" / "model.safetensors"
     mtime = model_file.stat().st_mtime_ns
     run_demo(cfg, tmp_path / "model", run_train, n_users=1, k=3, ingest_timeout_s=300)
     assert model_file.stat().st_mtime_ns == mtime

@@ -26,7 +26,7 @@ def small_config() -> Config:
     return cfg
 
 
-def make_engine(tmp_path, cfg=None, capacity=None, host_capacity=None, seed=0, archive=None):
+def make_engine(tmp_path, cfg=None, capacity=None, host_capacity=None, seed=0, bank=None):
     cfg = cfg or small_config()
     torch.manual_seed(seed)
     vocab = ItemVocab([f"i{j}" for j in range(30)], cfg.model.n_oov_buckets)
@@ -38,7 +38,7 @@ def make_engine(tmp_path, cfg=None, capacity=None, host_capacity=None, seed=0, a
         tmp_path / "spill",
         device="cpu",
     )
-    return Engine(model, vocab, store, cfg, archive=archive)
+    return Engine(model, vocab, store, cfg, bank=bank)
 
 
 def random_events(n, n_users, seed=0, n_partitions=3):
@@ -147,46 +147,51 @@ def test_partition_export_adopt_and_drop(tmp_path):
     src = make_engine(tmp_path / "a")
     events = random_events(200, 12)
     src.apply(events)
-    users, state = src.export_partition(1)
+    users = src.users_of(1)
+    state = src.store.read(users)
     assert users and all(int(u[4:]) % 3 == 1 for u in users)
     dst = make_engine(tmp_path / "b")
-    dst.adopt(1, users, state)
+    dst.adopt(1, users, state, [(users, src.export_arrays(users))])
+    assert (
+        dst.recent_events(users[0], 3).ts_ms.tolist()
+        == src.recent_events(users[0], 3).ts_ms.tolist()
+    )
     assert torch.equal(dst.snapshot(users).S, src.snapshot(users).S)
     assert dst.drop_partition(1) == len(users)
     assert dst.users_of(1) == [] and not any(dst.known(users))
 
 
-class RecordingArchive:
+class RecordingBank:
+    """Stands in for the NoteBank: records what the engine's write path hands it."""
+
     def __init__(self):
         self.calls = []
 
-    def observe(self, user_ids, items, actions, ts_ms, lengths, kq, positions):
-        self.calls.append((list(user_ids), lengths.copy(), kq[0].shape, positions.copy()))
-
-    def settle(self):
-        self.calls.append("settle")
+    def observe_batch(self, user_ids, items, item_ids, actions, ts_ms, positions, lengths, k, q):
+        self.calls.append((list(user_ids), lengths.copy(), k.shape, positions.copy(), item_ids))
 
 
-def test_archive_hook_gets_kq_and_positions(tmp_path):
-    arch = RecordingArchive()
-    engine = make_engine(tmp_path, archive=arch)
+def test_notes_get_kq_and_lifetime_positions(tmp_path):
+    bank = RecordingBank()
+    engine = make_engine(tmp_path, bank=bank)
     events = random_events(40, 3)
     engine.apply(events[:20])
-    # every observe is followed by its settle (outside the engine's lock)
-    assert arch.calls[1::2] == ["settle"] * (len(arch.calls) // 2)
-    arch.calls = [c for c in arch.calls if c != "settle"]
-    n_first = len(arch.calls)
+    n_first = len(bank.calls)
     engine.apply(events[20:])
-    arch.calls = [c for c in arch.calls if c != "settle"]
-    assert n_first >= 1 and len(arch.calls) > n_first
-    first: dict[str, int] = {}
-    for users, lengths, _, _ in arch.calls[:n_first]:
-        for u, n in zip(users, lengths):
-            first[u] = first.get(u, 0) + int(n)
-    for users, lengths, kshape, positions in arch.calls[n_first:]:
+    assert n_first >= 1 and len(bank.calls) > n_first
+    before: dict[str, int] = {}
+    for users, lengths, kshape, positions, item_ids in bank.calls:
         assert kshape == (len(users), int(lengths.max()), 2, 2, 8)
-        for u, p in zip(users, positions):
-            assert p == first.get(u, 0)
+        for b, (u, n) in enumerate(zip(users, lengths)):
+            # event j of the user is at its lifetime position before the step + j + 1
+            assert positions[b, : int(n)].tolist() == list(
+                range(before.get(u, 0) + 1, before.get(u, 0) + int(n) + 1)
+            )
+            assert len(item_ids[b]) == int(n)
+            before[u] = before.get(u, 0) + int(n)
+    # the latest events (routing queries) follow every user's last event
+    for u in before:
+        assert len(engine.recent_events(u, 1)) == 1
 
 
 def test_bursts_run_in_aligned_chunks_and_equal_the_recurrent_path(tmp_path, monkeypatch):
@@ -228,3 +233,31 @@ def test_bursts_run_in_aligned_chunks_and_equal_the_recurrent_path(tmp_path, mon
         torch.testing.assert_close(got.S[i], ref[u].S[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got.M[i], ref[u].M[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got.h[i], ref[u].h[0], rtol=1e-4, atol=1e-5)
+
+
+def test_duplicates_are_dropped_counted_and_kept_across_checkpoints(tmp_path):
+    """The key is the event id when set, else (item, ts, action); a copy of one of the
+    user's last ``dedupe_window`` events (or of an earlier one in the batch) is dropped."""
+    cfg = small_config()
+    cfg.state.dedupe_window = 4
+    engine = make_engine(tmp_path / "a", cfg=cfg)
+    e = [ValidEvent("u", f"i{k}", 1000 + k, 1, 1.0, None, 0, k) for k in range(6)]
+    counts = engine.apply([e[0], e[1], e[0], e[2]])  # a copy inside the batch
+    assert (counts.events, counts.duplicates) == (3, 1)
+    counts = engine.apply([e[1], e[3]])  # a copy of a recent event
+    assert (counts.events, counts.duplicates) == (1, 1)
+    # another action, or the same fields under another event id, is another event
+    other = ValidEvent("u", "i3", 1003, 2, 1.0, None, 0, 9)
+    ided = [ValidEvent("u", "i4", 1004, 1, 1.0, None, 0, 10 + k, event_id=f"x{k}") for k in (1, 2)]
+    counts = engine.apply([other, *ided])
+    assert (counts.events, counts.duplicates) == (3, 0)
+    assert engine.apply([ided[0]]).duplicates == 1
+    assert engine.seen.dropped == 3 and int(engine.snapshot(["u"]).pos[0]) == 7
+    # the window moved on: an old copy is applied again
+    assert engine.apply([e[0]]).duplicates == 0
+    # the keys travel with the checkpoint arrays
+    restored = make_engine(tmp_path / "b", cfg=cfg)
+    restored.adopt(0, ["u"], engine.store.read(["u"]), [(["u"], engine.export_arrays(["u"]))])
+    assert restored.apply([ided[1]]).duplicates == 1
+    cfg.state.dedupe_window = 0  # off: every event applies
+    assert make_engine(tmp_path / "c", cfg=cfg).apply([e[0], e[0]]).events == 2

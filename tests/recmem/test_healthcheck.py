@@ -9,7 +9,7 @@ import pytest
 
 from recmem import healthcheck
 from streams.broker import free_port
-from tests.recmem.rank_env import RankEnv, make_env
+from tests.recmem.rank_env import RankEnv, loop_server, make_env
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> RankEnv:
 def test_healthy_not_ready_and_unwritable(env: RankEnv, tmp_path: Path) -> None:
     cfg = env.cfg
     cfg.checkpoint.dir = str(tmp_path / "checkpoints")
-    srv = env.stack.server(cfg).start(ready=False)
+    srv = loop_server(env, cfg).start(ready=False)
     cfg.server.port, cfg.server.host = srv.port, "0.0.0.0"  # probed on loopback
     try:
         (not_ready,) = healthcheck.problems(cfg)

@@ -21,9 +21,11 @@ from kafka import KafkaProducer
 from models.recommender import MemoryRecommender
 from recmem.checkpoint import CheckpointStore
 from recmem.config import Config
-from recmem.engine import Engine
-from recmem.ingest import IngestService, PipelinedSink, build_service, register_gauges
+from recmem.engine import Engine, EngineLoop
+from recmem.engine.builder import BuiltEngine, build_engine
+from recmem.ingest import KafkaIngest, register_gauges
 from recmem.modelstore import load_model, save_model
+from recmem.ranking import Ranker
 from recmem.state_store import StateLayout, UserStateStore
 from recmem.vocab import ItemVocab
 from streams.admin import client_settings
@@ -164,60 +166,89 @@ def assert_checkpoints_equal_clean_pass(cfg: Config, events, tmp_path: Path) -> 
     assert seen == set(counts)
 
 
-def start_service(
-    cfg: Config, pipelined: bool = False
-) -> tuple[IngestService, EventConsumer, threading.Thread]:
-    service = build_service(cfg, device="cpu")
-    sink = PipelinedSink(service) if pipelined else service
-    consumer = EventConsumer(cfg.kafka, sink)
-    register_gauges(consumer.metrics, service.engine.store)
-    thread = threading.Thread(target=consumer.run, daemon=True)
+def start_service(cfg: Config) -> tuple[BuiltEngine, KafkaIngest, EventConsumer, threading.Thread]:
+    """``recmem ingest`` in this process: the builder, the Kafka adapter, the consumer."""
+    built = build_engine(cfg, device="cpu")
+    ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
+    consumer = EventConsumer(cfg.kafka, ingest)
+    register_gauges(consumer.metrics, built.engine)
+    thread = ConsumerThread(consumer)
     thread.start()
-    return service, consumer, thread
+    return built, ingest, consumer, thread
 
 
-def stop_service(service: IngestService, consumer: EventConsumer, thread: threading.Thread):
+class ConsumerThread(threading.Thread):
+    """Runs ``consumer.run``; keeps the error it ended with (``error``)."""
+
+    def __init__(self, consumer: EventConsumer) -> None:
+        super().__init__(daemon=True)
+        self.consumer = consumer
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.consumer.run()
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+
+
+def stop_service(built: BuiltEngine, ingest: KafkaIngest, consumer: EventConsumer, thread):
     consumer.stop()
     thread.join(timeout=30)
     assert not thread.is_alive()
-    if isinstance(consumer.sink, PipelinedSink):
-        consumer.sink.close()
-    service.engine.store.close()
+    ingest.close()
+    built.close()
+
+
+def loop_over(engine: Engine) -> EngineLoop:
+    return EngineLoop(Ranker(engine.model, engine), engine).start()
 
 
 def test_service_writes_deltas_and_restores_them_bit_exact(tmp_path):
     """No broker: the sink driven directly. First checkpoint full, then deltas of the users
-    that changed, a full one every ``full_every``; a new service restores the same states."""
+    that changed, a full one every ``full_every``; a new service restores the same states,
+    latest events and notes."""
+    from recmem.archive import NoteBank
     from tests.recmem.test_engine import make_engine, random_events
 
     events = random_events(400, 40, seed=7, n_partitions=2)
-    layout = StateLayout.from_config(small_config().memory, small_config().model)
+    cfg = small_config()
+    cfg.checkpoint.full_every = 3
+    layout = StateLayout.from_config(cfg.memory, cfg.model)
 
-    def service(sub: str) -> IngestService:
-        engine = make_engine(tmp_path / sub)
-        return IngestService(engine, CheckpointStore(tmp_path / "ckpt", layout), 0.0, full_every=3)
+    def service(sub: str) -> KafkaIngest:
+        bank = NoteBank(cfg.archive, cfg.memory.key_dim, cfg.memory.n_layers * cfg.memory.n_heads)
+        loop = loop_over(make_engine(tmp_path / sub, cfg=cfg, bank=bank))
+        cfg.checkpoint.interval_s = 0.0
+        return KafkaIngest(loop, CheckpointStore(tmp_path / "ckpt", layout), cfg)
 
     a = service("a")
-    assert a.on_assigned([0, 1]) == {0: 0, 1: 0}
+    assert {p: r.next_offset for p, r in a.on_assigned([0, 1]).items()} == {0: 0, 1: 0}
     kinds = []
     for k in range(0, 400, 20):
         batch = events[k : k + 20]
         a.apply_batch(batch, {p: k + 20 for p in (0, 1)})
-        offsets = a.checkpoint()
-        assert offsets == {0: k + 20, 1: k + 20}
+        a.checkpoint()  # written by the writer thread while ingest goes on
+        assert a.flush() == {0: k + 20, 1: k + 20}
         kinds.append(checkpoints_kind(tmp_path / "ckpt", 0))
     assert kinds[0] == "full" and "delta" in kinds
     assert "delta" * 3 not in "".join(kinds)  # full_every=3: at most 2 deltas in a row
     b = service("b")
-    assert b.on_assigned([0, 1]) == {0: 400, 1: 400}
+    assert {p: r.next_offset for p, r in b.on_assigned([0, 1]).items()} == {0: 400, 1: 400}
+    ea, eb = a.engine, b.engine
+    a.loop.stop()
+    b.loop.stop()
     for p in (0, 1):
-        users = a.engine.users_of(p)
-        assert b.engine.users_of(p) == users
-        got, want = b.engine.snapshot(users), a.engine.snapshot(users)
+        users = ea.users_of(p)
+        assert eb.users_of(p) == users
+        got, want = eb.snapshot(users), ea.snapshot(users)
         assert torch.equal(got.S, want.S) and torch.equal(got.M, want.M)
         assert torch.equal(got.pos, want.pos) and torch.equal(got.h, want.h)
-    a.engine.store.close()
-    b.engine.store.close()
+        for u in users:
+            assert eb.recent_events(u, 8).ts_ms.tolist() == ea.recent_events(u, 8).ts_ms.tolist()
+            assert eb.bank.note_count(u) == ea.bank.note_count(u)
+    ea.store.close()
+    eb.store.close()
 
 
 def checkpoints_kind(root: Path, partition: int) -> str:
@@ -233,9 +264,9 @@ def test_clean_stop_restores_and_continues(tmp_path, kafka_config):
     events = make_events(900, 40, seed=1)
     ends = send_with_bad(cfg, events[:600], seed=1, n_bad=10)
 
-    service, consumer, thread = start_service(cfg)
+    built, ingest, consumer, thread = start_service(cfg)
     wait_until(lambda: caught_up(cfg, ends), 60, "checkpoints at the end offsets")
-    assert service.totals.events == 600
+    assert built.engine.totals.events == 600
     registry = consumer.metrics.registry
     resident = {
         tier: registry.get_sample_value("recmem_ingest_users_resident", {"tier": tier})
@@ -244,17 +275,21 @@ def test_clean_stop_restores_and_continues(tmp_path, kafka_config):
     assert resident["device"] <= 48  # state.device_capacity
     assert sum(resident.values()) == len({e.user_id for e in events[:600]})
     assert registry.get_sample_value("recmem_ingest_bytes_per_user") == (
-        service.engine.store.bytes_per_user()
+        built.engine.store.bytes_per_user()
     )
-    stop_service(service, consumer, thread)
+    stop_service(built, ingest, consumer, thread)
     first = {p: checkpoints_of(cfg).restore(p) for p in range(3)}
+    # `recmem ingest` writes what `recmem serve` writes: states, notes, latest events, keys
+    arrays = [a for c in first.values() if c is not None for _, a in c.notes_parts if a]
+    for prefix in ("archive.", "recent.", "seen."):
+        assert any(k.startswith(prefix) for a in arrays for k in a), prefix
 
     # a new service restores exactly that state and applies only what is new
     send_with_bad(cfg, events[600:], seed=2, n_bad=5, ends=ends)
-    service, consumer, thread = start_service(cfg)
+    built, ingest, consumer, thread = start_service(cfg)
     wait_until(lambda: caught_up(cfg, ends), 60, "checkpoints at the end offsets")
-    stop_service(service, consumer, thread)
-    assert service.totals.events == 300
+    stop_service(built, ingest, consumer, thread)
+    assert built.engine.totals.events == 300
     for p, ckpt in first.items():
         assert ckpt is not None and ckpt.next_offset < checkpoints_of(cfg).latest_offset(p)
     assert_checkpoints_equal_clean_pass(cfg, events, tmp_path)
@@ -264,12 +299,12 @@ def test_rebalance_across_two_services(tmp_path, kafka_config):
     cfg = service_config(tmp_path, kafka_config(partitions=4))
     events = make_events(1200, 60, seed=3)
     ends = send_with_bad(cfg, events[:500], seed=3, n_bad=6)
-    a = start_service(cfg, pipelined=True)
-    wait_until(lambda: a[0].totals.events >= 500, 60, "service A to apply 500 events")
+    a = start_service(cfg)
+    wait_until(lambda: a[0].engine.totals.events >= 500, 60, "service A to apply 500 events")
     # B joins the group: A's revoked partitions move to B through their checkpoints
-    b = start_service(cfg, pipelined=True)
-    wait_until(lambda: a[0].assigned and b[0].assigned, 60, "both services to own partitions")
-    assert not a[0].assigned & b[0].assigned
+    b = start_service(cfg)
+    wait_until(lambda: a[1].assigned and b[1].assigned, 60, "both services to own partitions")
+    assert not a[1].assigned & b[1].assigned
     send_with_bad(cfg, events[500:], seed=4, n_bad=6, ends=ends)
     wait_until(lambda: caught_up(cfg, ends), 60, "checkpoints at the end offsets")
     stop_service(*a)
@@ -348,62 +383,61 @@ def test_crash_kill9_restart_equals_clean_pass(tmp_path, kafka_config):
     assert_checkpoints_equal_clean_pass(cfg, events, tmp_path)
 
 
-def test_pipelined_sink_applies_in_order_and_reports_worker_errors(tmp_path):
+def test_executor_flushes_denormals_when_the_process_opted_in(tmp_path):
+    """The loop's executor thread (the model steps of ingest) flushes before its first
+    tensor operation (its OpenMP workers copy the flag when they are created), only in a
+    process that opted in."""
+    from models.memory import recurrent
     from tests.recmem.test_engine import make_engine, random_events
 
-    layout = StateLayout.from_config(small_config().memory, small_config().model)
-    plain = IngestService(make_engine(tmp_path / "a"), CheckpointStore(tmp_path / "c1", layout), 0)
-    piped = IngestService(make_engine(tmp_path / "b"), CheckpointStore(tmp_path / "c2", layout), 0)
-    sink = PipelinedSink(piped)
-    plain.on_assigned([0, 1, 2])
-    sink.on_assigned([0, 1, 2])
-    events = random_events(300, 30, seed=9)
-    for k in range(0, 300, 30):
-        plain.apply_batch(events[k : k + 30], {0: k + 30})
-        sink.apply_batch(events[k : k + 30], {0: k + 30})
-    assert sink.checkpoint() == plain.checkpoint()  # drained first: same offsets and states
-    users = sorted(plain.engine.partition_of)
-    assert torch.equal(plain.engine.snapshot(users).S, piped.engine.snapshot(users).S)
-
-    class Broken(IngestService):
-        def apply_batch(self, events, next_offsets):
-            raise OSError("disk on fire")
-
-    broken = PipelinedSink(
-        Broken(make_engine(tmp_path / "d"), CheckpointStore(tmp_path / "c3", layout), 0)
-    )
-    broken.apply_batch(events[:5], {0: 5})
-    with pytest.raises(RuntimeError, match="disk on fire"):
-        broken.checkpoint()
-    for s in (sink, broken):
-        s.close()
-    for svc in (plain, piped, broken.inner):
-        svc.engine.store.close()
-
-
-def test_pipelined_worker_flushes_denormals_when_the_process_opted_in(tmp_path):
-    """The worker thread flushes before its first tensor operation (its OpenMP workers copy
-    the flag when they are created), only in a process that opted in."""
-    from models.memory import recurrent
-    from tests.recmem.test_engine import make_engine
-
-    layout = StateLayout.from_config(small_config().memory, small_config().model)
     seen: list[bool] = []
-
-    class Probe(IngestService):
-        def apply_batch(self, events, next_offsets):
-            seen.append((torch.tensor([1e-39]) * 1.0).item() == 0.0)
-
     torch.set_flush_denormal(False)  # threads start with their creator's flags
     for opted_in in (False, True):
         recurrent._process_flushes_denormals = opted_in
         try:
-            svc = Probe(make_engine(tmp_path / str(opted_in)), CheckpointStore(tmp_path, layout), 0)
-            sink = PipelinedSink(svc)
-            sink.apply_batch([], {})
-            sink.drain()
-            sink.close()
-            svc.engine.store.close()
+            engine = make_engine(tmp_path / str(opted_in))
+            inner = engine.compute
+
+            def probe(piece, inner=inner):
+                seen.append((torch.tensor([1e-39]) * 1.0).item() == 0.0)
+                inner(piece)
+
+            engine.compute = probe  # type: ignore[method-assign]
+            loop = loop_over(engine)
+            loop.apply(random_events(5, 1), timeout=30)
+            loop.stop()
+            engine.store.close()
         finally:
             recurrent._process_flushes_denormals = False
     assert seen == [False, True]
+
+
+def test_duplicate_records_are_applied_once(tmp_path, kafka_config):
+    """Records sent twice (a source replaying what it sent, here each 5th event) reach the
+    engine once; the metric counts the copies; the producer is idempotent for retries."""
+    from streams.producer import EventProducer
+
+    cfg = service_config(tmp_path, kafka_config(partitions=2))
+    events = make_events(200, 10, seed=11)
+    doubled = []
+    for k, e in enumerate(events):
+        doubled.append(e)
+        if k % 5 == 0:
+            doubled.append(e)
+    with EventProducer(cfg.kafka) as producer:
+        assert producer._producer.config["enable_idempotence"]
+        producer.send(doubled, progress=False)
+    ends = {p: n for p, n in end_offsets_of(cfg).items()}
+    built, ingest, consumer, thread = start_service(cfg)
+    wait_until(lambda: caught_up(cfg, ends), 60, "checkpoints at the end offsets")
+    registry = consumer.metrics.registry
+    assert registry.get_sample_value("recmem_ingest_duplicate_events_total") == 40
+    stop_service(built, ingest, consumer, thread)
+    assert built.engine.totals.events == 200
+    assert_checkpoints_equal_clean_pass(cfg, events, tmp_path)
+
+
+def end_offsets_of(cfg: Config) -> dict[int, int]:
+    from streams.admin import end_offsets
+
+    return end_offsets(cfg.kafka)

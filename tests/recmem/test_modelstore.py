@@ -12,7 +12,13 @@ from models.recommender import MemoryRecommender
 from models.sasrec import SASRec, SASRecConfig
 from models.train import train_memory_model
 from recmem.config import Config
-from recmem.modelstore import MODEL_FILE, adopt_model_config, load_model, save_model
+from recmem.modelstore import (
+    MODEL_FILE,
+    adopt_model_config,
+    convert_legacy,
+    load_model,
+    save_model,
+)
 from recmem.vocab import ItemVocab
 from tests.models.synth import cyclic_seqs
 
@@ -75,6 +81,46 @@ def test_bad_checkpoints_fail_clearly(tmp_path: Path) -> None:
     (tmp_path / MODEL_FILE).write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable"):
         load_model(tmp_path)
+
+
+def test_files_are_never_unpickled(tmp_path: Path) -> None:
+    """A pickle that would run code when loaded is refused without being loaded; a legacy
+    model.pt of tensors and plain containers converts through weights_only loading."""
+    import pickle
+
+    ran = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(ran), "w"))
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "model.pt").write_bytes(pickle.dumps({"format_version": 1, "x": Evil()}))
+    with pytest.raises(ValueError, match="pickle format"):
+        load_model(evil)
+    with pytest.raises(pickle.UnpicklingError):
+        convert_legacy(evil)  # weights_only refuses the object
+    assert not ran.exists()
+    # a legacy file of the old layout converts and loads
+    cfg = small_cfg()
+    vocab = ItemVocab([f"i{i}" for i in range(5)], 2)
+    model = MemoryRecommender(5, 2, cfg.memory, cfg.model).eval()
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    torch.save(
+        {
+            "format_version": 1, "model_version": "memory-old", "kind": "memory", "n_items": 5,
+            "state_dict": model.state_dict(), "vocab": vocab.to_dict(), "config": cfg.to_dict(),
+            "sasrec": {}, "extra": {"popularity": [1, 2, 3, 4, 5]},
+        },
+        legacy / "model.pt",
+    )  # fmt: skip
+    convert_legacy(legacy)
+    loaded, _, _, extra = load_model(legacy)
+    assert extra["model_version"] == "memory-old" and extra["popularity"] == [1, 2, 3, 4, 5]
+    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), k
 
 
 def test_serving_keeps_its_own_memory_backend(tmp_path: Path) -> None:

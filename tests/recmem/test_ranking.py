@@ -31,7 +31,7 @@ def expected_vector(
 ) -> torch.Tensor:
     """The user vector after ``events`` on a copy of the user's state, the obvious way: the
     memory read-out after them, read at REQUEST_TS over the window (+ the context)."""
-    state = env.stack.sources.snapshot([user])
+    state = env.engine.snapshot([user])
     mem = state.h
     if len(events):
         mem = env.model.advance(
@@ -47,7 +47,7 @@ def expected_vector(
 
 
 def test_rank_matches_the_user_vector_and_catalog_scores(env: RankEnv) -> None:
-    (res,) = env.stack.ranker.rank([RankQuery("user0", k=10, request_ts_ms=REQUEST_TS)])
+    (res,) = env.ranker.rank([RankQuery("user0", k=10, request_ts_ms=REQUEST_TS)])
     vec = expected_vector(env, "user0", UserEvents.empty())
     scores = (env.model.item_weight() @ vec).detach()
     top = torch.topk(scores, 10)
@@ -59,7 +59,7 @@ def test_rank_matches_the_user_vector_and_catalog_scores(env: RankEnv) -> None:
 def test_context_is_applied_after_the_state(env: RankEnv) -> None:
     ctx = user_events(np.random.default_rng(5), 3, t0=10**12)
     q = RankQuery("user1", k=N_ITEMS, context=ctx, request_ts_ms=REQUEST_TS)
-    (res,) = env.stack.ranker.rank([q])
+    (res,) = env.ranker.rank([q])
     vec = expected_vector(env, "user1", ctx, context=ctx)
     scores = (env.model.item_weight() @ vec).detach().numpy()
     np.testing.assert_allclose(res.scores, scores[res.items], rtol=1e-5, atol=1e-6)
@@ -71,10 +71,10 @@ def routed_notes(env: RankEnv, user: str, query: UserEvents, r: int) -> list[Use
     """The route step by hand: q~ of the query events on a copy, then the NoteBank vote."""
     res = env.model.advance(
         _t(query.items), _t(query.actions), _t(query.ts_ms), torch.tensor([len(query)]),
-        env.stack.sources.snapshot([user]), return_kq=True,
+        env.engine.snapshot([user]), return_kq=True,
     )  # fmt: skip
     assert res.kq is not None
-    notes = env.stack.bank.route(user, res.kq[1][0], r)
+    notes = env.engine.bank.route(user, res.kq[1][0], r)
     return [UserEvents(n.items, n.actions, n.ts_ms) for n in notes]
 
 
@@ -88,36 +88,36 @@ def test_stored_queries_are_the_q_of_the_latest_event(env: RankEnv) -> None:
             env.model.init_state(1, "cpu"), return_kq=True,
         )  # fmt: skip
     assert res.kq is not None
-    stored = env.stack.sources.recent_queries("user2", 1)
+    stored = env.engine.recent_queries("user2", 1)
     assert stored is not None and stored.shape == (1, 2, 2, 16)
     torch.testing.assert_close(stored[0], res.kq[1][0, -1], rtol=1e-4, atol=1e-5)
-    recent = env.stack.sources.recent_events("user2", 1)
+    recent = env.engine.recent_events("user2", 1)
     assert recent.items.tolist() == h.items[-1:].tolist()
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_replay_runs_routed_notes_then_the_query_events(env: RankEnv, R: int) -> None:
-    assert env.stack.bank.note_count("user2") >= 4
+    assert env.engine.bank.note_count("user2") >= 4
     q = RankQuery("user2", k=N_ITEMS, replay_notes=R, request_ts_ms=REQUEST_TS)
-    (res,) = env.stack.ranker.rank([q])
+    (res,) = env.ranker.rank([q])
     n_query = env.cfg.server.replay_query_events
-    recent = env.stack.sources.recent_events("user2", n_query)
-    stored = env.stack.sources.recent_queries("user2", n_query)
+    recent = env.engine.recent_events("user2", n_query)
+    stored = env.engine.recent_queries("user2", n_query)
     assert len(recent) == n_query and stored is not None and len(stored) == n_query
-    routed = env.stack.bank.route("user2", stored, R)
+    routed = env.engine.bank.route("user2", stored, R)
     notes = [UserEvents(n.items, n.actions, n.ts_ms) for n in routed]
     assert 1 <= len(notes) <= R and res.notes_replayed == len(notes)
     vec = expected_vector(env, "user2", UserEvents.concat([*notes, recent]))
     scores = (env.model.item_weight() @ vec).detach().numpy()
     np.testing.assert_allclose(res.scores, scores[res.items], rtol=1e-5, atol=1e-6)
-    (off,) = env.stack.ranker.rank([RankQuery("user2", k=N_ITEMS)])
+    (off,) = env.ranker.rank([RankQuery("user2", k=N_ITEMS)])
     assert not np.allclose(np.sort(off.scores), np.sort(res.scores))
 
 
 def test_replay_with_context_routes_on_the_context(env: RankEnv) -> None:
     ctx = user_events(np.random.default_rng(9), 3, t0=10**12)
     q = RankQuery("user4", k=N_ITEMS, replay_notes=2, context=ctx, request_ts_ms=REQUEST_TS)
-    (res,) = env.stack.ranker.rank([q])
+    (res,) = env.ranker.rank([q])
     notes = routed_notes(env, "user4", ctx, 2)
     assert res.notes_replayed == len(notes) >= 1
     vec = expected_vector(env, "user4", UserEvents.concat([*notes, ctx]), context=ctx)
@@ -143,9 +143,9 @@ def test_micro_batch_gives_the_same_answers_as_single_requests(env: RankEnv) -> 
         RankQuery("stranger2", k=5, context=user_events(rng, 4, t0=10**12)),
         RankQuery("user0", k=2, candidates=np.array([1, 2, 3], np.int64)),
     ]
-    batch = env.stack.ranker.rank(queries)
+    batch = env.ranker.rank(queries)
     for q, got in zip(queries, batch):
-        (alone,) = env.stack.ranker.rank([q])
+        (alone,) = env.ranker.rank([q])
         assert got.items.tolist() == alone.items.tolist(), q.user_id
         np.testing.assert_allclose(got.scores, alone.scores, rtol=1e-5, atol=1e-6)
         assert (got.position, got.cold_start, got.notes_replayed, got.context_applied) == (
@@ -158,7 +158,7 @@ def test_micro_batch_gives_the_same_answers_as_single_requests(env: RankEnv) -> 
 
 
 def test_cold_start_is_train_popularity_and_context_only_otherwise(env: RankEnv) -> None:
-    cold, ctx_only = env.stack.ranker.rank(
+    cold, ctx_only = env.ranker.rank(
         [
             RankQuery("new-user", k=4),
             RankQuery("new-user", k=N_ITEMS, context=user_events(np.random.default_rng(2), 3)),
@@ -167,10 +167,10 @@ def test_cold_start_is_train_popularity_and_context_only_otherwise(env: RankEnv)
     assert cold.cold_start and cold.position == 0
     np.testing.assert_allclose(cold.scores, np.sort(env.popularity)[::-1][:4])
     assert not ctx_only.cold_start and ctx_only.context_applied == 3
-    (replayed,) = env.stack.ranker.rank([RankQuery("new-user", k=4, replay_notes=3)])
+    (replayed,) = env.ranker.rank([RankQuery("new-user", k=4, replay_notes=3)])
     assert replayed.cold_start and replayed.notes_replayed == 0
     cands = np.array([40, 5, 17, 3, 22, 59], dtype=np.int64)
-    (among,) = env.stack.ranker.rank([RankQuery("new-user", k=3, candidates=cands)])
+    (among,) = env.ranker.rank([RankQuery("new-user", k=3, candidates=cands)])
     expected = sorted(cands.tolist(), key=lambda i: (-env.popularity[i], i))[:3]
     assert among.cold_start and among.items.tolist() == expected
 
@@ -182,9 +182,9 @@ def test_train_popularity_ignores_oov_indices() -> None:
 
 def test_live_state_is_unchanged_by_many_rank_calls(env: RankEnv) -> None:
     users = [f"user{u}" for u in range(6)]
-    before = env.stack.sources.snapshot(users)
-    notes_before = [env.stack.bank.note_count(u) for u in users]
-    tails_before = [env.stack.sources.recent_events(u, 1).items.tolist() for u in users]
+    before = env.engine.snapshot(users)
+    notes_before = [env.engine.bank.note_count(u) for u in users]
+    tails_before = [env.engine.recent_events(u, 1).items.tolist() for u in users]
     rng = np.random.default_rng(3)
     for i in range(25):
         queries = [
@@ -197,10 +197,10 @@ def test_live_state_is_unchanged_by_many_rank_calls(env: RankEnv) -> None:
             )
             for j in range(4)
         ]
-        env.stack.ranker.rank(queries)
-    after = env.stack.sources.snapshot(users)
-    assert [env.stack.bank.note_count(u) for u in users] == notes_before
-    assert [env.stack.sources.recent_events(u, 1).items.tolist() for u in users] == tails_before
+        env.ranker.rank(queries)
+    after = env.engine.snapshot(users)
+    assert [env.engine.bank.note_count(u) for u in users] == notes_before
+    assert [env.engine.recent_events(u, 1).items.tolist() for u in users] == tails_before
     for name in ("S", "M", "pos", "last_ts", "h"):
         a, b = getattr(before, name), getattr(after, name)
         assert torch.equal(a, b), name

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import socket
 import threading
 import time
@@ -19,15 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.recmem.v1 import event_pb2, rank_pb2, rank_pb2_grpc
+from recmem.engine import EngineLoop
 from recmem.server import RankServer
-from recmem.server.batcher import BatcherStopped, MicroBatcher
-from tests.recmem.rank_env import N_ITEMS, RankEnv, make_env
+from tests.recmem.rank_env import N_ITEMS, RankEnv, make_env, start_loop, start_server
 
 TIMEOUT = 20.0
-
-
-def start(env: RankEnv) -> RankServer:
-    return env.stack.server(env.cfg).start()
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +33,19 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> RankEnv:
 
 
 @pytest.fixture(scope="module")
-def server(env: RankEnv) -> Iterator[RankServer]:
-    srv = start(env)
+def loop(env: RankEnv) -> Iterator[EngineLoop]:
+    running = start_loop(env)
+    yield running
+    running.stop()
+
+
+def start(env: RankEnv, loop: EngineLoop) -> RankServer:
+    return start_server(env, loop)
+
+
+@pytest.fixture(scope="module")
+def server(env: RankEnv, loop: EngineLoop) -> Iterator[RankServer]:
+    srv = start(env, loop)
     yield srv
     srv.stop(grace=1.0)
 
@@ -240,14 +248,10 @@ def test_health_serving_and_reflection_lists_service(channel: grpc.Channel) -> N
     assert {"recmem.v1.RecMem", "grpc.health.v1.Health"} <= names
 
 
-def test_concurrent_requests_are_micro_batched(env: RankEnv) -> None:
-    saved = env.cfg.server.batch_window_ms, env.cfg.server.adaptive_window
-    env.cfg.server.batch_window_ms = 300.0
-    env.cfg.server.adaptive_window = False
-    try:
-        srv = start(env)
-    finally:
-        env.cfg.server.batch_window_ms, env.cfg.server.adaptive_window = saved
+def test_concurrent_requests_are_micro_batched(tmp_path: Path) -> None:
+    env = make_env(tmp_path / "spill")
+    loop = start_loop(env, window_ms=300.0, adaptive=False)
+    srv = start(env, loop)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             stub = rank_pb2_grpc.RecMemStub(ch)
@@ -266,21 +270,24 @@ def test_concurrent_requests_are_micro_batched(env: RankEnv) -> None:
             for t in threads:
                 t.join(TIMEOUT)
         assert len(results) == 12
-        assert srv.batcher.requests == 13
-        assert srv.batcher.largest_batch > 1
-        assert srv.batcher.batches < 13
+        counts = loop.counts
+        assert counts.requests == 13
+        assert counts.largest_batch > 1
+        assert counts.batches < 13
         reg = srv.metrics.registry
         assert reg.get_sample_value("recmem_rank_requests_total", {"code": "OK"}) == 13
-        assert reg.get_sample_value("recmem_rank_batch_size_count") == srv.batcher.batches
+        assert reg.get_sample_value("recmem_rank_batch_size_count") == counts.batches
         assert reg.get_sample_value("recmem_rank_batch_size_sum") == 13
     finally:
         srv.stop(grace=1.0)
+        loop.stop()
+        env.built.close()
 
 
-def test_bearer_token_required_and_accepted(env: RankEnv) -> None:
+def test_bearer_token_required_and_accepted(env: RankEnv, loop: EngineLoop) -> None:
     env.cfg.server.auth_token = "s3cret"
     try:
-        srv = start(env)
+        srv = start(env, loop)
     finally:
         env.cfg.server.auth_token = ""
     try:
@@ -339,11 +346,11 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def test_tls_with_self_signed_certificate(env: RankEnv, tmp_path: Path) -> None:
+def test_tls_with_self_signed_certificate(env: RankEnv, loop: EngineLoop, tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
     env.cfg.server.tls_cert, env.cfg.server.tls_key = str(cert), str(key)
     try:
-        srv = start(env)
+        srv = start(env, loop)
     finally:
         env.cfg.server.tls_cert = env.cfg.server.tls_key = ""
     try:
@@ -364,18 +371,20 @@ def test_tls_with_self_signed_certificate(env: RankEnv, tmp_path: Path) -> None:
         srv.stop(grace=1.0)
 
 
-def test_tls_misconfiguration_is_a_clear_error(env: RankEnv, tmp_path: Path) -> None:
+def test_tls_misconfiguration_is_a_clear_error(
+    env: RankEnv, loop: EngineLoop, tmp_path: Path
+) -> None:
     env.cfg.server.tls_cert = str(tmp_path / "missing.crt")
     env.cfg.server.tls_key = str(tmp_path / "missing.key")
     try:
         with pytest.raises(ValueError, match="file not found"):
-            start(env)
+            start(env, loop)
     finally:
         env.cfg.server.tls_cert = env.cfg.server.tls_key = ""
 
 
-def test_stop_reports_not_serving_and_refuses_new_calls(env: RankEnv) -> None:
-    srv = start(env)
+def test_stop_reports_not_serving_and_refuses_new_calls(env: RankEnv, loop: EngineLoop) -> None:
+    srv = start(env, loop)
     with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
         stub = rank_pb2_grpc.RecMemStub(ch)
         assert (
@@ -400,6 +409,7 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
     cfg.kafka = kafka_config(partitions=2)
     cfg.server.model_dir = str(tmp_path / "model")
     cfg.checkpoint.dir = str(tmp_path / "ckpt")
+    cfg.checkpoint.full_every = 1  # serve honours it: every checkpoint full
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         cfg.server.metrics_port = sock.getsockname()[1]
@@ -415,6 +425,7 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
     assert producer.send(events, progress=False) == 60
     producer.close()
     svc = RecMemService(cfg, device="cpu").start()
+    assert svc.ingest is not None and svc.ingest.full_every == 1
     try:
         with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
             stub = rank_pb2_grpc.RecMemStub(ch)
@@ -446,11 +457,18 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
                 text = page.read().decode()
             assert 'recmem_rank_requests_total{code="OK"}' in text
             assert "recmem_ingest_events_total 60.0" in text
+            # the ingest figures of `recmem ingest` (the same adapter): bytes per user state
+            assert (
+                f"recmem_ingest_bytes_per_user {float(svc.built.engine.store.bytes_per_user())}"
+                in text
+            )
+            assert "recmem_ingest_duplicate_events_total 0.0" in text
             assert res.model_version.startswith("memory-E4-N32-")
     finally:
         svc.stop(grace=1.0)
     assert svc.failure is None
-    assert any(Path(cfg.checkpoint.dir).rglob("meta.json"))
+    metas = [json.loads(m.read_text()) for m in Path(cfg.checkpoint.dir).rglob("meta.json")]
+    assert metas and all(m["kind"] == "full" for m in metas)
     # a restart restores states, notes and the recent-event tails from the checkpoint
     svc = RecMemService(cfg, device="cpu").start()
     try:
@@ -475,54 +493,28 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
         svc.stop(grace=1.0)
 
 
-def test_recent_events_travel_with_the_checkpoint(env: RankEnv) -> None:
-    from recmem.server.sources import RecentEventsHook
+def test_recent_events_travel_with_the_checkpoint(env: RankEnv, loop: EngineLoop) -> None:
+    from recmem.engine import RecentEvents
 
     users = ["user0", "user3", "nobody"]
-    hook = env.stack.recent
-    exported = hook.export_notes(users)
-    fresh = RecentEventsHook(None, hook.keep)
-    fresh.import_notes(users, exported)
+    tails = env.engine.tails
+    exported = loop.read(lambda: tails.export(users)).result(TIMEOUT)
+    fresh = RecentEvents(tails.keep)
+    fresh.load(users, exported)
     for user in users:
-        assert fresh.recent(user, 5).ts_ms.tolist() == hook.recent(user, 5).ts_ms.tolist()
-        a, b = fresh.recent_queries(user, 5), hook.recent_queries(user, 5)
-        assert (a is None) == (b is None)
+        want = loop.read(lambda u=user: (tails.recent(u, 5), tails.recent_queries(u, 5)))
+        events, queries = want.result(TIMEOUT)
+        assert fresh.recent(user, 5).ts_ms.tolist() == events.ts_ms.tolist()
+        a = fresh.recent_queries(user, 5)
+        assert (a is None) == (queries is None)
         if a is not None:
-            assert np.array_equal(a, b)
+            assert np.array_equal(a, queries)
     with pytest.raises(ValueError, match="users restored"):
-        fresh.import_notes(users[:2], exported)
+        fresh.load(users[:2], exported)
 
 
-def test_batcher_adaptive_window_runs_a_lone_request_at_once() -> None:
-    batcher: MicroBatcher[int, int] = MicroBatcher(
-        lambda xs: [2 * x for x in xs], window_ms=60_000, max_batch=8, adaptive=True
-    )
-    try:
-        assert batcher.submit(3).result(timeout=10) == 6  # a 60 s window was not waited
-        assert batcher.batches == 1
-    finally:
-        batcher.stop()
-
-
-def test_batcher_failure_fails_its_batch_not_the_worker() -> None:
-    def handler(xs: list[int]) -> list[int]:
-        if 0 in xs:
-            raise ZeroDivisionError("bad item")
-        return [10 // x for x in xs]
-
-    batcher: MicroBatcher[int, int] = MicroBatcher(handler, window_ms=0, max_batch=4)
-    try:
-        with pytest.raises(ZeroDivisionError):
-            batcher.submit(0).result(timeout=10)
-        assert batcher.submit(5).result(timeout=10) == 2
-    finally:
-        batcher.stop()
-    with pytest.raises(BatcherStopped):
-        batcher.submit(1)
-
-
-def test_not_serving_until_ready(env: RankEnv) -> None:
-    srv = env.stack.server(env.cfg).start(ready=False)
+def test_not_serving_until_ready(env: RankEnv, loop: EngineLoop) -> None:
+    srv = RankServer(env.cfg, loop, env.vocab, "test-model").start(ready=False)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             health = health_pb2_grpc.HealthStub(ch)
@@ -536,131 +528,3 @@ def test_not_serving_until_ready(env: RankEnv) -> None:
             assert status() == health_pb2.HealthCheckResponse.SERVING
     finally:
         srv.stop(grace=1.0)
-
-
-def test_checkpoint_runs_while_a_rank_call_holds_the_lock(tmp_path: Path) -> None:
-    """Batches and rebalances wait for the stack's lock (rank calls copy states under it);
-    a checkpoint only reads the engine, so it is written while a rank call holds it."""
-    import threading
-
-    from recmem.checkpoint import CheckpointStore
-    from recmem.ingest import IngestService
-    from recmem.server.serve import LockedSink
-    from recmem.state_store import StateLayout
-    from streams.validate import ValidEvent
-
-    env = make_env(tmp_path / "spill", n_users=2)
-    layout = StateLayout.from_config(env.cfg.memory, env.cfg.model)
-    service = IngestService(env.stack.engine, CheckpointStore(tmp_path / "ckpt", layout), 30.0)
-    sink = LockedSink(service, env.stack.lock)
-    sink.on_assigned([0])
-    events = [ValidEvent("u-a", "item3", 10**9 + i, 1, 1.0, None, 0, i) for i in range(5)]
-    sink.apply_batch(events, {0: 5})
-
-    more = [ValidEvent("u-a", "item4", 2 * 10**9, 1, 1.0, None, 0, 5)]
-    with env.stack.lock:  # a rank call copying states
-        written: list[dict[int, int]] = []
-        ckpt = threading.Thread(target=lambda: written.append(sink.checkpoint()))
-        ckpt.start()
-        ckpt.join(timeout=30)
-        assert not ckpt.is_alive() and written == [{0: 5}]
-        batch = threading.Thread(target=sink.apply_batch, args=(more, {0: 6}))
-        batch.start()
-        batch.join(timeout=0.3)
-        assert batch.is_alive()  # the batch waits for the lock
-    batch.join(timeout=30)
-    assert not batch.is_alive()
-    assert env.stack.engine.snapshot(["u-a"]).pos.tolist() == [6]
-    assert any((tmp_path / "ckpt").rglob("meta.json"))
-
-
-def test_rank_copies_do_not_wait_for_the_model_step(tmp_path: Path) -> None:
-    """Through serve's sink, a batch holds the stack's lock only while the engine changes
-    the store and the archive: a state copy taken while the model computes the step returns
-    at once with the state before it, one taken after sees the whole step (state and tail)."""
-    import threading
-
-    from recmem.checkpoint import CheckpointStore
-    from recmem.ingest import IngestService
-    from recmem.server.serve import LockedSink
-    from recmem.state_store import StateLayout
-    from streams.validate import ValidEvent
-
-    env = make_env(tmp_path / "spill", n_users=2)
-    engine, sources = env.stack.engine, env.stack.sources
-    layout = StateLayout.from_config(env.cfg.memory, env.cfg.model)
-    sink = LockedSink(
-        IngestService(engine, CheckpointStore(tmp_path / "ckpt", layout), 30.0), env.stack.lock
-    )
-    sink.on_assigned([0])
-    sink.apply_batch([ValidEvent("u-a", "item3", 10**9 + i, 1, 1.0, None, 0, i) for i in range(4)],
-                     {0: 4})  # fmt: skip
-    inner = engine.model.advance
-    started, release = threading.Event(), threading.Event()
-
-    def paused_advance(*args, **kwargs):  # the real step, held until released
-        started.set()
-        assert release.wait(30)
-        return inner(*args, **kwargs)
-
-    engine.model.advance = paused_advance  # type: ignore[method-assign]
-    step = threading.Thread(
-        target=sink.apply_batch,
-        args=([ValidEvent("u-a", "item5", 2 * 10**9, 1, 1.0, None, 0, 4)], {0: 5}),
-    )
-    step.start()
-    safety = threading.Timer(8.0, release.set)  # never deadlock, even if the copy waits
-    safety.start()
-    try:
-        assert started.wait(30)
-        t0 = time.monotonic()
-        during = sources.snapshot(["u-a"]).pos.tolist()
-        assert time.monotonic() - t0 < 4 and during == [4]
-    finally:
-        release.set()
-        safety.cancel()
-        step.join(30)
-    assert sources.snapshot(["u-a"]).pos.tolist() == [5]
-    assert int(sources.recent_events("u-a", 1).ts_ms[0]) == 2 * 10**9
-
-
-def test_rank_copies_do_not_wait_for_the_notes(tmp_path: Path) -> None:
-    """The NoteBank writes a step's notes after the engine releases the lock: a copy taken
-    meanwhile returns at once with the new state and the new tail (the routing query), the
-    user's counter moves again once the notes are in."""
-    import threading
-
-    from streams.validate import ValidEvent
-
-    env = make_env(tmp_path / "spill", n_users=2)
-    engine, sources, bank = env.stack.engine, env.stack.sources, env.stack.bank
-    assert env.stack.recent.defer_inner
-    inner = bank.observe_batch
-    started, release = threading.Event(), threading.Event()
-
-    def paused_notes(*args, **kwargs):  # the real notes write, held until released
-        started.set()
-        assert release.wait(30)
-        return inner(*args, **kwargs)
-
-    bank.observe_batch = paused_notes  # type: ignore[method-assign]
-    before = sources.snapshot(["user0"]).pos.tolist()[0]
-    ts = int(env.history["user0"].ts_ms[-1]) + 60_000
-    step = threading.Thread(
-        target=engine.apply, args=([ValidEvent("user0", "item1", ts, 1, 1.0, None, 0, 99)],)
-    )
-    step.start()
-    safety = threading.Timer(8.0, release.set)
-    safety.start()
-    try:
-        assert started.wait(30)
-        v_mid = sources.versions(["user0"])
-        t0 = time.monotonic()
-        during = sources.snapshot(["user0"]).pos.tolist()
-        assert time.monotonic() - t0 < 4 and during == [before + 1]
-        assert int(sources.recent_events("user0", 1).ts_ms[0]) == ts
-    finally:
-        release.set()
-        safety.cancel()
-        step.join(30)
-    assert sources.versions(["user0"]) != v_mid  # moved again once the notes were written

@@ -31,7 +31,9 @@ class RecordingSink:
             if p in self.owned:
                 self.store[p] = self.owned.pop(p)
 
-    def apply_batch(self, events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
+    def apply_batch(
+        self, events: list[ValidEvent], next_offsets: dict[int, int], source: object = None
+    ) -> None:
         with self.lock:
             self.events.extend(events)
             self.owned.update(next_offsets)

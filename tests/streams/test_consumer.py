@@ -155,7 +155,7 @@ from streams.consumer import EventConsumer
 from tests.streams.sinks import RecordingSink
 
 class SlowSink(RecordingSink):
-    def apply_batch(self, events, next_offsets):
+    def apply_batch(self, events, next_offsets, source=None):
         super().apply_batch(events, next_offsets)
         print("applied", len(self.events), flush=True)
         time.sleep(0.05)
@@ -209,7 +209,7 @@ def test_sigterm_finishes_the_batch_checkpoints_and_commits(kafka_config, tmp_pa
 
 def test_a_failing_sink_ends_the_run_without_a_checkpoint(kafka_config):
     class Failing(RecordingSink):
-        def apply_batch(self, events, next_offsets):
+        def apply_batch(self, events, next_offsets, source=None):
             super().apply_batch(events, next_offsets)
             raise RuntimeError("disk full")
 

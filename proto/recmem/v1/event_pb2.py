@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/recmem/v1/event.proto\x12\trecmem.v1\"\x92\x01\n\x05\x45vent\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x0f\n\x07item_id\x18\x02 \x01(\t\x12\r\n\x05ts_ms\x18\x03 \x01(\x03\x12!\n\x06\x61\x63tion\x18\x04 \x01(\x0e\x32\x11.recmem.v1.Action\x12\r\n\x05value\x18\x05 \x01(\x02\x12\x17\n\nsession_id\x18\x06 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_session_id*\x8e\x01\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x41\x43TION_VIEW\x10\x01\x12\x10\n\x0c\x41\x43TION_CLICK\x10\x02\x12\x0f\n\x0b\x41\x43TION_CART\x10\x03\x12\x13\n\x0f\x41\x43TION_PURCHASE\x10\x04\x12\x11\n\rACTION_RATING\x10\x05\x12\x10\n\x0c\x41\x43TION_OTHER\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/recmem/v1/event.proto\x12\trecmem.v1\"\xb6\x01\n\x05\x45vent\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x0f\n\x07item_id\x18\x02 \x01(\t\x12\r\n\x05ts_ms\x18\x03 \x01(\x03\x12!\n\x06\x61\x63tion\x18\x04 \x01(\x0e\x32\x11.recmem.v1.Action\x12\r\n\x05value\x18\x05 \x01(\x02\x12\x17\n\nsession_id\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x15\n\x08\x65vent_id\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0b_session_idB\x0b\n\t_event_id*\x8e\x01\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x41\x43TION_VIEW\x10\x01\x12\x10\n\x0c\x41\x43TION_CLICK\x10\x02\x12\x0f\n\x0b\x41\x43TION_CART\x10\x03\x12\x13\n\x0f\x41\x43TION_PURCHASE\x10\x04\x12\x11\n\rACTION_RATING\x10\x05\x12\x10\n\x0c\x41\x43TION_OTHER\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.recmem.v1.event_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACTION']._serialized_start=192
-  _globals['_ACTION']._serialized_end=334
+  _globals['_ACTION']._serialized_start=228
+  _globals['_ACTION']._serialized_end=370
   _globals['_EVENT']._serialized_start=43
-  _globals['_EVENT']._serialized_end=189
+  _globals['_EVENT']._serialized_end=225
 # @@protoc_insertion_point(module_scope)

@@ -23,17 +23,19 @@ ACTION_RATING: Action
 ACTION_OTHER: Action
 
 class Event(_message.Message):
-    __slots__ = ("user_id", "item_id", "ts_ms", "action", "value", "session_id")
+    __slots__ = ("user_id", "item_id", "ts_ms", "action", "value", "session_id", "event_id")
     USER_ID_FIELD_NUMBER: _ClassVar[int]
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     TS_MS_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     user_id: str
     item_id: str
     ts_ms: int
     action: Action
     value: float
     session_id: str
-    def __init__(self, user_id: _Optional[str] = ..., item_id: _Optional[str] = ..., ts_ms: _Optional[int] = ..., action: _Optional[_Union[Action, str]] = ..., value: _Optional[float] = ..., session_id: _Optional[str] = ...) -> None: ...
+    event_id: str
+    def __init__(self, user_id: _Optional[str] = ..., item_id: _Optional[str] = ..., ts_ms: _Optional[int] = ..., action: _Optional[_Union[Action, str]] = ..., value: _Optional[float] = ..., session_id: _Optional[str] = ..., event_id: _Optional[str] = ...) -> None: ...

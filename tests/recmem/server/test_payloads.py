@@ -12,7 +12,7 @@ import pytest
 
 from proto.recmem.v1 import rank_pb2
 from recmem.server import RankServer
-from tests.recmem.rank_env import RankEnv, make_env
+from tests.recmem.rank_env import RankEnv, loop_server, make_env
 
 RANK = "/recmem.v1.RecMem/Rank"
 INSPECT = "/recmem.v1.RecMem/InspectUser"
@@ -26,7 +26,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> RankEnv:
 
 @pytest.fixture
 def server(env: RankEnv) -> Iterator[RankServer]:
-    srv = env.stack.server(env.cfg).start()
+    srv = loop_server(env).start()
     yield srv
     srv.stop(grace=0.5)
 

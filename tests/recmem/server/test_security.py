@@ -13,7 +13,7 @@ import pytest
 
 from recmem.server.serve import RecMemService
 from streams.broker import free_port
-from tests.recmem.rank_env import RankEnv, make_env
+from tests.recmem.rank_env import RankEnv, loop_server, make_env
 from tests.recmem.test_server import self_signed
 
 
@@ -64,7 +64,7 @@ def test_a_token_without_tls_is_warned_about_once(
     def warnings_at_start() -> list[str]:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="recmem.server.app"):
-            srv = env.stack.server(env.cfg).start()
+            srv = loop_server(env).start()
         srv.stop(grace=0.5)
         return [r.getMessage() for r in caplog.records if "clear text" in r.getMessage()]
 

@@ -20,7 +20,7 @@ from proto.recmem.v1 import event_pb2, rank_pb2, rank_pb2_grpc
 from recmem.ranking import RankQuery, RankResult
 from recmem.server import RankServer
 from streams.broker import free_port
-from tests.recmem.rank_env import RankEnv, make_env
+from tests.recmem.rank_env import RankEnv, loop_server, make_env
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -34,7 +34,7 @@ class SlowRanker:
     """The real Ranker, each micro-batch taking ``delay_s`` longer: calls stay in flight."""
 
     def __init__(self, env: RankEnv, delay_s: float) -> None:
-        self.inner, self.delay_s = env.stack.ranker, delay_s
+        self.inner, self.delay_s = env.ranker, delay_s
         self.n_items = self.inner.n_items
 
     def rank(self, queries: Sequence[RankQuery]) -> list[RankResult]:
@@ -43,8 +43,7 @@ class SlowRanker:
 
 
 def slow_server(env: RankEnv, delay_s: float) -> RankServer:
-    srv = RankServer(env.cfg, SlowRanker(env, delay_s), env.vocab, "v", env.stack.sources.inspect)
-    return srv.start()
+    return loop_server(env, ranker=SlowRanker(env, delay_s)).start()
 
 
 def health(channel: grpc.Channel) -> int:

@@ -1,0 +1,99 @@
+"""The duplicate-event policy: an event whose key equals that of one of its user's last
+``window`` accepted events is dropped before it reaches the memory, and counted.
+
+The key is the producer's ``event_id`` when the event has one, else (item, ts_ms, action)
+(the user is implicit: keys are kept per user). Duplicates come from delivery, not from
+users: a producer that retries a send whose acknowledgement it lost, a source system
+replaying a batch, a record produced twice. Kafka hands them over as different records at
+different offsets, so the offsets cannot tell; an exact copy of a recent event can. The
+window bounds memory (8 bytes per key) and says what "recent" means: a copy arriving after
+``window`` newer events of the same user is applied again. A crash replay is not affected:
+events after the restored checkpoint were never accepted by the restored state, and the
+keys are part of that checkpoint (arrays ``seen.*``). Owned by the engine (one thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from streams.validate import ValidEvent
+
+PREFIX = "seen."
+
+
+def event_key(e: ValidEvent) -> int:
+    """A stable 63-bit key of ``e`` (the same in every process)."""
+    text = f"id\x00{e.event_id}" if e.event_id else f"ev\x00{e.item_id}\x00{e.ts_ms}\x00{e.action}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+class SeenEvents:
+    """Each user's last ``window`` accepted event keys (0: the policy is off)."""
+
+    def __init__(self, window: int) -> None:
+        if window < 0:
+            raise ValueError("the duplicate window must be >= 0")
+        self.window = window
+        self._keys: dict[str, deque[int]] = {}
+        self._sets: dict[str, set[int]] = {}
+        """The same keys as sets, for the membership test."""
+        self.dropped = 0
+        """Duplicates dropped so far."""
+
+    def filter(self, events: Sequence[ValidEvent]) -> list[ValidEvent]:
+        """The events that are not duplicates (of the user's recent events or of an earlier
+        one in ``events``), in order; their keys become the users' recent keys."""
+        if self.window == 0:
+            return list(events)
+        kept = []
+        for e in events:
+            keys = self._keys.get(e.user_id)
+            if keys is None:
+                keys = self._keys[e.user_id] = deque()
+                self._sets[e.user_id] = set()
+            known = self._sets[e.user_id]
+            k = event_key(e)
+            if k in known:
+                self.dropped += 1
+                continue
+            keys.append(k)
+            known.add(k)
+            if len(keys) > self.window:
+                known.discard(keys.popleft())
+            kept.append(e)
+        return kept
+
+    def export(self, user_ids: list[str]) -> dict[str, np.ndarray]:
+        if self.window == 0:
+            return {}
+        keys = [list(self._keys.get(u, ())) for u in user_ids]
+        return {
+            PREFIX + "lengths": np.array([len(k) for k in keys], dtype=np.int64),
+            PREFIX + "keys": np.array([x for k in keys for x in k], dtype=np.int64),
+        }
+
+    def load(self, user_ids: list[str], arrays: dict[str, np.ndarray]) -> None:
+        self.drop(user_ids)
+        lengths = arrays.get(PREFIX + "lengths")
+        if lengths is None or self.window == 0:
+            return
+        if len(lengths) != len(user_ids):
+            raise ValueError(
+                f"checkpoint has seen keys of {len(lengths)} users, {len(user_ids)} restored"
+            )
+        keys = arrays[PREFIX + "keys"]
+        ends = np.cumsum(lengths)
+        for user, s, e in zip(user_ids, ends - lengths, ends):
+            if e > s:
+                kept = [int(x) for x in keys[s:e]][-self.window :]
+                self._keys[user] = deque(kept)
+                self._sets[user] = set(kept)
+
+    def drop(self, user_ids: Sequence[str]) -> None:
+        for user in user_ids:
+            self._keys.pop(user, None)
+            self._sets.pop(user, None)

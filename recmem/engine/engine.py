@@ -1,0 +1,456 @@
+"""The engine: every user's memory state, latest events and NoteBank notes, and the step that
+applies a micro-batch of events to them.
+
+``Engine`` is owned by one thread: the engine loop (recmem/engine/loop.py) under ``recmem
+serve`` and ``recmem ingest``; a test, a benchmark or offline evaluation when it drives the
+engine itself. It has no lock. An ingest batch is planned (grouped by user, each user's
+events in order, vocab-encoded, right-padded [B, T]) and cut into pieces (row sets of
+users); each piece is ``begin`` (gather the users' states from the store: a private copy),
+``compute`` (ONE ``model.advance`` under ``torch.no_grad`` on that copy; touches nothing
+else, so it may run on another thread), ``commit`` (scatter the new states, the latest
+events and their q~, partition bookkeeping) and ``commit_notes`` (the NoteBank's write
+path). ``apply`` runs them in order.
+
+Read side, for the rank step (recmem/ranking.py, ``RankSources``): ``snapshot`` (copies of
+states, never the live tensors), ``recent_events``/``recent_queries`` and ``route_many``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.memory.proteus import unlocked_blocks
+from models.recommender import AdvanceResult, MemoryRecommender
+from models.state import MemoryState
+from recmem.archive import NoteBank
+from recmem.config import Config
+from recmem.engine.dedupe import SeenEvents
+from recmem.engine.tails import RecentEvents
+from recmem.ranking import ReplayCache, UserEvents
+from recmem.state_store import UserStateStore
+from recmem.vocab import ItemVocab
+from streams.validate import ValidEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ApplyCounts:
+    """What one ingest batch did."""
+
+    events: int = 0
+    users: int = 0
+    new_users: int = 0
+    duplicates: int = 0
+    """Events dropped by the duplicate policy (not counted in ``events``)."""
+    max_len: int = 0
+    """T: the longest run of one user's events in the batch (the padded width)."""
+
+
+@dataclass(frozen=True)
+class UserInfo:
+    """What InspectUser reports about a known user."""
+
+    position: int
+    last_ts_ms: int
+    unlocked_blocks: int
+    total_blocks: int
+    note_count: int
+    resident_tier: str
+
+
+@dataclass
+class GroupedBatch:
+    """A micro-batch grouped by user: right-padded [B, T] arrays and lengths [B]."""
+
+    user_ids: list[str]
+    partitions: list[int]
+    items: np.ndarray
+    actions: np.ndarray
+    ts_ms: np.ndarray
+    lengths: np.ndarray
+
+
+def group_events(events: Sequence[ValidEvent], vocab: ItemVocab) -> GroupedBatch:
+    """Group by user in first-appearance order, each user's events in batch order."""
+    if not events:
+        z = np.zeros((0, 0), dtype=np.int64)
+        return GroupedBatch([], [], z, z.copy(), z.copy(), np.zeros(0, dtype=np.int64))
+    code_of: dict[str, int] = {}
+    codes = np.fromiter(
+        (code_of.setdefault(e.user_id, len(code_of)) for e in events),
+        dtype=np.int64,
+        count=len(events),
+    )
+    n_users = len(code_of)
+    lengths = np.bincount(codes, minlength=n_users).astype(np.int64)
+    order = np.argsort(codes, kind="stable")
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    col = np.empty(len(events), dtype=np.int64)
+    col[order] = np.arange(len(events)) - np.repeat(starts, lengths)
+    T = int(lengths.max()) if n_users else 0
+    items = np.zeros((n_users, T), dtype=np.int64)
+    actions = np.zeros((n_users, T), dtype=np.int64)
+    ts = np.zeros((n_users, T), dtype=np.int64)
+    items[codes, col] = vocab.encode(e.item_id for e in events)
+    actions[codes, col] = np.fromiter((e.action for e in events), np.int64, len(events))
+    ts[codes, col] = np.fromiter((e.ts_ms for e in events), np.int64, len(events))
+    partitions = [0] * n_users
+    for e in events:
+        partitions[code_of[e.user_id]] = e.partition
+    return GroupedBatch(list(code_of), partitions, items, actions, ts, lengths)
+
+
+@dataclass
+class IngestPlan:
+    """A batch grouped by user and cut into pieces (row sets), each one ``advance``."""
+
+    batch: GroupedBatch
+    pieces: list[np.ndarray]
+    counts: ApplyCounts
+
+
+@dataclass
+class Piece:
+    """One ``advance`` of an ingest batch: the users' events and a private copy of their
+    states (``begin``), then the model's result (``compute``)."""
+
+    users: list[str]
+    partitions: list[int]
+    items: np.ndarray
+    actions: np.ndarray
+    ts_ms: np.ndarray
+    lengths: np.ndarray
+    state: MemoryState
+    slots: torch.Tensor
+    positions: np.ndarray
+    """Each user's lifetime position before the piece."""
+    result: AdvanceResult | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EngineTotals:
+    """Running figures: events and batches applied (committed), notes written."""
+
+    events: int = 0
+    batches: int = 0
+
+
+class Engine:
+    """Per-user memories: the state store, the model's batched update, the latest events
+    and the NoteBank archive (``bank``; None: no notes are written and replay finds none).
+    ``replay_cache``: user vectors after replay (server.replay_cache_users), forgotten for
+    every user the engine changes."""
+
+    def __init__(
+        self,
+        model: MemoryRecommender,
+        vocab: ItemVocab,
+        store: UserStateStore,
+        cfg: Config,
+        bank: NoteBank | None = None,
+        model_version: str = "unversioned",
+    ) -> None:
+        self.model = model.to(store.device).eval()
+        self.vocab = vocab
+        self.store = store
+        self.cfg = cfg
+        self.bank = bank
+        self.tails = RecentEvents(max(1, cfg.server.replay_query_events))
+        self.seen = SeenEvents(cfg.state.dedupe_window)
+        self.replay_cache = ReplayCache(cfg.server.replay_cache_users)
+        self.model_version = model_version
+        self.partition_of: dict[str, int] = {}
+        self._users_of: dict[int, set[str]] = {}
+        self._dirty: dict[int, set[str]] = {}
+        """Per partition: users whose state changed since :meth:`clear_dirty` (deltas)."""
+        self.totals = EngineTotals()
+        self.seconds: dict[str, float] = dict.fromkeys(
+            ("group", "gather", "advance", "scatter", "archive", "user_steps"), 0.0
+        )
+        """Running totals for profiling: seconds per phase of an ingest batch, and
+        user_steps (the padded [B, T] cells run, a count)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.store.device
+
+    # ---- ingest ------------------------------------------------------------------------
+
+    def apply(self, events: Sequence[ValidEvent]) -> ApplyCounts:
+        """Apply one micro-batch; every user's position advances by its number of events."""
+        return self._run(self.plan(events))
+
+    def apply_grouped(self, batch: GroupedBatch) -> ApplyCounts:
+        """``apply`` for events already grouped by user (vocab-encoded; offline evaluation
+        feeds the engine this way)."""
+        return self._run(self.plan_grouped(batch))
+
+    def _run(self, plan: IngestPlan) -> ApplyCounts:
+        for rows in plan.pieces:
+            piece = self.begin(plan, rows)
+            self.compute(piece)
+            self.commit(piece)
+            self.commit_notes(piece)
+        self.totals.batches += 1
+        return plan.counts
+
+    def plan(self, events: Sequence[ValidEvent]) -> IngestPlan:
+        """Group a batch by user and cut it into pieces (no state is read or changed)."""
+        t0 = time.perf_counter()
+        kept = self.seen.filter(events)
+        batch = group_events(kept, self.vocab)
+        self.seconds["group"] += time.perf_counter() - t0
+        plan = self.plan_grouped(batch)
+        plan.counts.duplicates = len(events) - len(kept)
+        return plan
+
+    def plan_grouped(self, batch: GroupedBatch) -> IngestPlan:
+        """Cut a grouped batch into pieces."""
+        t0 = time.perf_counter()
+        counts = ApplyCounts(events=int(batch.lengths.sum()), users=len(batch.user_ids))
+        if batch.user_ids:
+            counts.max_len = int(batch.lengths.max())
+            counts.new_users = sum(1 for u in batch.user_ids if u not in self.store)
+        pieces = self._pieces(batch.lengths) if batch.user_ids else []
+        self.seconds["group"] += time.perf_counter() - t0
+        return IngestPlan(batch, pieces, counts)
+
+    def _pieces(self, lengths: np.ndarray) -> list[np.ndarray]:
+        """Row sets of the batch, one ``advance`` each: all rows at once, or (with
+        ``state.length_buckets``) users grouped by power-of-two length so that padding stays
+        below 2x the events; any set larger than the slab is cut into slab-sized pieces.
+        Each set lists its users longest first.
+        Buckets pay on the CPU path (padded steps cost as much as real ones); on the GPU they
+        only add launches, so ``auto`` leaves them off there."""
+        mode = self.cfg.state.length_buckets
+        if mode == "on" or (mode == "auto" and self.device.type == "cpu"):
+            bucket = np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+            groups = [np.nonzero(bucket == b)[0] for b in np.unique(bucket)[::-1]]
+        else:
+            groups = [np.arange(len(lengths))]
+        # longest first: the chunked CPU scan then runs each chunk on a prefix of the users
+        groups = [g[np.argsort(-lengths[g], kind="stable")] for g in groups]
+        cap = self.store.capacity
+        return [g[i : i + cap] for g in groups for i in range(0, len(g), cap)]
+
+    def begin(self, plan: IngestPlan, rows: np.ndarray) -> Piece:
+        """Gather the piece's users (may move users between tiers): a private copy."""
+        t0 = time.perf_counter()
+        b = plan.batch
+        lengths = b.lengths[rows]
+        T = int(lengths.max())
+        users = [b.user_ids[i] for i in rows]
+        state, slots = self.store.gather(users)
+        piece = Piece(
+            users=users,
+            partitions=[b.partitions[i] for i in rows],
+            items=b.items[rows, :T],
+            actions=b.actions[rows, :T],
+            ts_ms=b.ts_ms[rows, :T],
+            lengths=lengths,
+            state=state,
+            slots=slots,
+            positions=state.pos.cpu().numpy(),
+        )
+        self.seconds["gather"] += time.perf_counter() - t0
+        return piece
+
+    @torch.no_grad()
+    def compute(self, piece: Piece) -> None:
+        """The model step on the piece's private copy. Reads the model only, so it may run
+        on another thread than the engine's owner."""
+        t0 = time.perf_counter()
+        dev = self.device
+        piece.result = self.model.advance(
+            torch.from_numpy(piece.items).to(dev),
+            torch.from_numpy(piece.actions).to(dev),
+            torch.from_numpy(piece.ts_ms).to(dev),
+            torch.from_numpy(piece.lengths).to(dev),
+            piece.state,
+            return_kq=True,
+        )
+        piece.seconds["advance"] = time.perf_counter() - t0
+
+    def commit(self, piece: Piece) -> None:
+        """The new states, the latest events (and their q~) and the bookkeeping."""
+        t0 = time.perf_counter()
+        res = piece.result
+        assert res is not None and res.kq is not None, "compute the piece first"
+        self.store.scatter(piece.slots, res.state)
+        self.tails.observe(
+            piece.users, piece.items, piece.actions, piece.ts_ms, piece.lengths, res.kq[1]
+        )
+        for user, part in zip(piece.users, piece.partitions):
+            self._record(user, part)
+            self._dirty.setdefault(part, set()).add(user)
+        self.replay_cache.forget(piece.users)
+        self.totals.events += int(piece.lengths.sum())
+        self.seconds["advance"] += piece.seconds.get("advance", 0.0)
+        self.seconds["scatter"] += time.perf_counter() - t0
+        self.seconds["user_steps"] += len(piece.users) * piece.items.shape[1]
+
+    def commit_notes(self, piece: Piece) -> None:
+        """The NoteBank's write path for the piece's events (positions continue after each
+        user's position before the piece)."""
+        if self.bank is None:
+            return
+        t0 = time.perf_counter()
+        res = piece.result
+        assert res is not None and res.kq is not None
+        T = piece.items.shape[1]
+        event_pos = piece.positions[:, None] + np.arange(1, T + 1)[None, :]
+        item_ids = [
+            [self._item_id(int(i)) for i in piece.items[b, : piece.lengths[b]]]
+            for b in range(len(piece.users))
+        ]
+        self.bank.observe_batch(
+            piece.users, piece.items, item_ids, piece.actions, piece.ts_ms, event_pos,
+            piece.lengths, res.kq[0], res.kq[1],
+        )  # fmt: skip
+        piece.result = None  # the kq tensors are large; nothing needs them any more
+        self.seconds["archive"] += time.perf_counter() - t0
+
+    def _item_id(self, index: int) -> str:
+        if index < self.vocab.n_items:
+            return self.vocab.item_ids[index]
+        return f"<oov:{index - self.vocab.n_items}>"
+
+    def _record(self, user: str, partition: int) -> None:
+        old = self.partition_of.get(user)
+        if old == partition:
+            return
+        if old is not None:
+            log.warning("user %r moved from partition %d to %d", user, old, partition)
+            self._users_of[old].discard(user)
+        self.partition_of[user] = partition
+        self._users_of.setdefault(partition, set()).add(user)
+
+    # ---- partitions (checkpoints, rebalances) ------------------------------------------
+
+    def users_of(self, partition: int) -> list[str]:
+        return sorted(self._users_of.get(partition, ()))
+
+    def dirty_users(self, partition: int) -> list[str]:
+        """Users of ``partition`` changed since the last :meth:`clear_dirty` of it."""
+        return sorted(self._dirty.get(partition, ()))
+
+    def clear_dirty(self, partition: int) -> None:
+        self._dirty.pop(partition, None)
+
+    def export_arrays(self, user_ids: list[str]) -> dict[str, np.ndarray]:
+        """The users' notes and latest events as flat arrays (with their states from
+        ``store.read``, a checkpoint's contents)."""
+        arrays = self.bank.state_for_users(user_ids) if self.bank is not None else {}
+        arrays.update(self.tails.export(user_ids))
+        arrays.update(self.seen.export(user_ids))
+        return arrays
+
+    def adopt(
+        self,
+        partition: int,
+        user_ids: list[str],
+        state: MemoryState,
+        arrays_parts: Sequence[tuple[list[str], dict[str, np.ndarray] | None]] = (),
+    ) -> None:
+        """Install a partition's restored users: states, then notes and latest events of
+        each checkpoint of its chain in order (later parts replace earlier ones)."""
+        self.store.put(user_ids, state)
+        for user in user_ids:
+            self._record(user, partition)
+        for users, arrays in arrays_parts:
+            arrays = arrays or {}
+            if self.bank is not None:
+                notes = {k: v for k, v in arrays.items() if k.startswith("archive.")}
+                if notes:
+                    # validated before anything changes: a bad archive keeps the old notes
+                    self.bank.load_users(notes, replace=users)
+                else:
+                    self.bank.drop_users(users)
+            self.tails.load(users, arrays)
+            self.seen.load(users, arrays)
+        self.replay_cache.forget(user_ids)
+
+    def drop_partition(self, partition: int) -> int:
+        """Forget the partition's users (states, notes, latest events)."""
+        self._dirty.pop(partition, None)
+        users = self._users_of.pop(partition, set())
+        for user in users:
+            self.partition_of.pop(user, None)
+        if self.bank is not None:
+            self.bank.drop_users(users)
+        self.tails.drop(list(users))
+        self.seen.drop(list(users))
+        self.replay_cache.forget(list(users))
+        return self.store.drop(users)
+
+    # ---- read side: the rank step's sources, inspection --------------------------------
+
+    def known(self, user_ids: Sequence[str]) -> list[bool]:
+        return [u in self.store for u in user_ids]
+
+    def snapshot(self, user_ids: Sequence[str]) -> MemoryState:
+        """Copies of the users' states on the engine's device (zero states for unknown
+        users); changing them never touches the live state."""
+        resident = self.store.read_resident(user_ids)
+        if resident is not None:  # every user on the slab: one gather on its device
+            return _to(resident, self.device)
+        out = self.store.layout.zeros(len(user_ids))
+        known = [i for i, u in enumerate(user_ids) if u in self.store]
+        if known:
+            got = self.store.read([user_ids[i] for i in known])
+            out = out.put_rows(torch.tensor(known, dtype=torch.int64), got)
+        return _to(out, self.device)
+
+    def recent_events(self, user_id: str, n: int) -> UserEvents:
+        return self.tails.recent(user_id, n)
+
+    def recent_queries(self, user_id: str, n: int) -> torch.Tensor | None:
+        q = self.tails.recent_queries(user_id, n)
+        return None if q is None else torch.from_numpy(q)
+
+    def route_many(
+        self, requests: Sequence[tuple[str, torch.Tensor, int]]
+    ) -> list[list[UserEvents]]:
+        if self.bank is None:
+            return [[] for _ in requests]
+        routed = self.bank.route_many(list(requests))
+        return [[UserEvents(n.items, n.actions, n.ts_ms) for n in notes] for notes in routed]
+
+    def inspect(self, user_id: str) -> UserInfo | None:
+        """InspectUser's answer: position, Proteus blocks, notes, residence tier."""
+        if user_id not in self.store:
+            return None
+        state = self.store.read([user_id])
+        mem = self.cfg.memory
+        pos = int(state.pos[0])
+        return UserInfo(
+            position=pos,
+            last_ts_ms=int(state.last_ts[0]),
+            unlocked_blocks=unlocked_blocks(pos, mem.n_blocks, mem.horizon) if pos > 0 else 0,
+            total_blocks=mem.n_blocks,
+            note_count=self.bank.note_count(user_id) if self.bank is not None else 0,
+            resident_tier=self.store.tier_of(user_id),
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "users": len(self.store),
+            "tiers": self.store.tier_counts(),
+            "bytes_per_user": self.store.bytes_per_user(),
+            "partitions": {p: len(u) for p, u in sorted(self._users_of.items())},
+        }
+
+
+def _to(state: MemoryState, device: torch.device) -> MemoryState:
+    if state.S.device == device:
+        return state
+    return state.to(device)

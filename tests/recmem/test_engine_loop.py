@@ -1,0 +1,174 @@
+"""The engine loop: micro-batching of rank requests (a trivial ranker), and on the real
+engine the consistency invariant (a rank call sees a user's state, latest events and notes
+from the same point) while ingest pieces, checkpoint captures and checkpoint writes go on."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recmem.engine import EngineLoop, LoopStopped
+from recmem.ranking import RankQuery, RankResult
+from streams.validate import ValidEvent
+from tests.recmem.rank_env import RankEnv, make_env, start_loop
+
+
+class EchoRanker:
+    """Answers each query with its k as the position; records batch sizes."""
+
+    n_items = 1
+
+    def __init__(self, hold_first: threading.Event | None = None) -> None:
+        self.sizes: list[int] = []
+        self.hold_first = hold_first
+
+    def rank(self, queries: Sequence[RankQuery]) -> list[RankResult]:
+        self.sizes.append(len(queries))
+        if self.hold_first is not None and len(self.sizes) == 1:
+            assert self.hold_first.wait(10)
+        if any(q.k == 0 for q in queries):
+            raise ZeroDivisionError("bad query")
+        empty = np.zeros(0, dtype=np.int64)
+        return [RankResult(empty, empty.astype(np.float32), q.k, False, 0, 0) for q in queries]
+
+
+def q(k: int) -> RankQuery:
+    return RankQuery("u", k=k)
+
+
+def test_batch_closes_once_the_expected_requests_are_in() -> None:
+    release = threading.Event()
+    ranker = EchoRanker(hold_first=release)
+    loop = EngineLoop(ranker, window_ms=60_000, max_batch=16, adaptive=True).start()
+    try:
+        first = loop.submit(q(1))  # lone: runs at once
+        while not ranker.sizes:
+            time.sleep(0.001)
+        queued = [loop.submit(q(k)) for k in (2, 3, 4)]
+        release.set()
+        assert first.result(timeout=10).position == 1
+        # expected next: 1 (the last batch) + 3 (queued while it ran) = 4; three are in, so
+        # the batch waits (a 60 s window) for the fourth and then runs at once
+        last = loop.submit(q(5))
+        assert [f.result(timeout=10).position for f in [*queued, last]] == [2, 3, 4, 5]
+        assert ranker.sizes == [1, 4]
+    finally:
+        loop.stop()
+
+
+def test_fixed_window_is_waited_out_without_adaptive() -> None:
+    ranker = EchoRanker()
+    loop = EngineLoop(ranker, window_ms=200, max_batch=16, adaptive=False).start()
+    try:
+        futs = [loop.submit(q(k)) for k in (1, 2, 3)]
+        assert [f.result(timeout=10).position for f in futs] == [1, 2, 3]
+        assert ranker.sizes == [3] and loop.counts.batches == 1
+    finally:
+        loop.stop()
+
+
+def test_a_failing_batch_fails_its_requests_not_the_loop() -> None:
+    loop = EngineLoop(EchoRanker(), window_ms=0, max_batch=4).start()
+    try:
+        with pytest.raises(ZeroDivisionError):
+            loop.submit(q(0)).result(timeout=10)
+        assert loop.submit(q(5)).result(timeout=10).position == 5
+    finally:
+        loop.stop()
+    with pytest.raises(LoopStopped):
+        loop.submit(q(1))
+    with pytest.raises(LoopStopped):  # a loop without an engine takes no ingest work
+        EngineLoop(EchoRanker()).submit_apply([])
+
+
+def event(user: str, ts: int, offset: int, item: str = "item1") -> ValidEvent:
+    return ValidEvent(user, item, ts, 1, 1.0, None, 0, offset)
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> RankEnv:
+    return make_env(tmp_path / "spill", n_users=2)
+
+
+def test_ranks_do_not_wait_for_the_model_step_and_see_whole_pieces(env: RankEnv) -> None:
+    """While an ingest piece's model step runs (held here), rank calls are answered at once
+    from the installed state, with the latest events and notes from the same point; after
+    the piece is installed they see all three moved together."""
+    engine = env.engine
+    inner = engine.compute
+    started, release = threading.Event(), threading.Event()
+
+    def held_compute(piece):  # the real step, held until released
+        started.set()
+        assert release.wait(30)
+        inner(piece)
+
+    engine.compute = held_compute  # type: ignore[method-assign]
+    loop = start_loop(env)
+    safety = threading.Timer(20.0, release.set)
+    safety.start()
+    try:
+        notes_before = loop.read(lambda: engine.bank.note_count("user0")).result(10)
+        ts = int(env.history["user0"].ts_ms[-1])
+        # 8 new events: a whole archive chunk closes, so the notes change with the state
+        batch = [event("user0", ts + 60_000 * (i + 1), 100 + i, f"item{i}") for i in range(8)]
+        applied = loop.submit_apply(batch)
+        assert started.wait(30)
+        t0 = time.monotonic()
+        during = loop.submit(RankQuery("user0", k=3, replay_notes=2)).result(timeout=10)
+        seen = loop.read(
+            lambda: (
+                engine.recent_events("user0", 1).ts_ms.tolist(),
+                engine.bank.note_count("user0"),
+            )
+        ).result(10)
+        assert time.monotonic() - t0 < 5 and during.position == 40
+        assert seen == ([ts], notes_before)
+        release.set()
+        assert applied.result(timeout=30).events == 8
+        after = loop.submit(RankQuery("user0", k=3)).result(timeout=10)
+        seen = loop.read(
+            lambda: (
+                engine.recent_events("user0", 1).ts_ms.tolist(),
+                engine.bank.note_count("user0"),
+            )
+        ).result(10)
+        assert after.position == 48 and seen == ([ts + 8 * 60_000], notes_before + 2)
+    finally:
+        release.set()
+        safety.cancel()
+        loop.stop()
+
+
+def test_capture_and_install_run_in_ingest_order(env: RankEnv) -> None:
+    """A task submitted after a batch sees the batch installed; one submitted before a
+    batch does not see it; ingest errors stop ingest but not ranking."""
+    loop = start_loop(env)
+    try:
+        seen: list[int] = []
+        ts = int(env.history["user1"].ts_ms[-1])
+        loop.submit_apply([event("user1", ts + 1000, 500)])
+        first: Future = loop.run_task(lambda e: seen.append(int(e.snapshot(["user1"]).pos[0])))
+        loop.submit_apply([event("user1", ts + 2000, 501)])
+        loop.call(lambda e: seen.append(int(e.snapshot(["user1"]).pos[0])))
+        first.result(10)
+        assert seen == [41, 42]
+
+        def broken(piece):
+            raise OSError("disk on fire")
+
+        env.engine.compute = broken  # type: ignore[method-assign]
+        bad = loop.submit_apply([event("user1", ts + 3000, 502)])
+        with pytest.raises(OSError, match="disk on fire"):
+            bad.result(10)
+        with pytest.raises(LoopStopped, match="disk on fire"):
+            loop.submit_apply([event("user1", ts + 4000, 503)])
+        assert loop.submit(RankQuery("user1", k=2)).result(10).position == 42
+    finally:
+        loop.stop()

@@ -1,0 +1,22 @@
+"""Import-time layering that import-linter cannot see: what importing offline evaluation
+pulls in at run time (scripts/test.sh runs the static contracts with lint-imports)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_offline_evaluation_never_imports_grpc() -> None:
+    code = (
+        "import sys, offline_eval.runner, offline_eval.models_registry, "
+        "offline_eval.notebank_eval; "
+        "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith(('grpc.', 'kafka')));"
+        "assert not bad, bad"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=120)
