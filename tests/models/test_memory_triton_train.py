@@ -10,6 +10,10 @@ one-event-at-a-time reference to 1e-10.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +28,7 @@ from models.memory.training import outputs_and_grads, relative_error
 from tests.models.test_memory import make_inputs
 
 TIGHT = 1e-10
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -202,3 +207,122 @@ def test_train_backend_names_are_checked():
         training.check_train_backend("fla_chunk", True)
     with pytest.raises(ValueError, match="memory.train_backend"):
         training.check_train_backend("chunk_aligned", True)
+
+
+# ---------------------------------------------------------------- fla's chunk_kda for training
+
+
+def test_fla_training_mapping_through_fla_naive_form(fresh_guard):
+    """The padded mapping (gk, k~ / (1 - alpha), theta (1 - alpha)) fed to fla's own naive
+    recurrent KDA: our rule without momentum, values and every gradient (fla computes in
+    float32)."""
+    pytest.importorskip("fla")
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    from models.memory.fla_gated import memory_scan_fla_chunk_train
+
+    inp = crossing_inputs(False, K=12, V=8, seed=8)
+    inp["alpha"][:, 1::4] = 0.9
+    ref = outputs_and_grads(memory_scan_reference, inp, **SCHED)
+    got = outputs_and_grads(memory_scan_fla_chunk_train, inp, **SCHED, kda=naive_recurrent_kda)
+    assert relative_error(got, ref) < 1e-5
+    assert got[1].dtype == torch.float64  # handed back in the caller's dtype
+    with pytest.raises(ValueError, match="momentum"):
+        memory_scan_fla_chunk_train(**crossing_inputs(True), **SCHED)
+
+
+FLA_CHUNK_CHECK = """
+import builtins, importlib, logging, pkgutil
+import numpy as np
+import torch
+import triton.language as tl
+from triton.runtime import autotuner
+from triton.runtime.interpreter import TensorHandle
+
+# Two gaps of Triton's CPU interpreter that fla's chunk kernels hit: autotuning needs a GPU
+# timer (every configuration is called equal: the first one runs), and loop counters are
+# plain ints where fla calls .to(tl.int64) on them.
+autotuner.Autotuner.do_bench = property(lambda self: lambda fn, quantiles: [0.0, 0.0, 0.0])
+
+
+class Counter(int):
+    def to(self, dtype, **kwargs):
+        np_type = {tl.int64: np.int64, tl.int32: np.int32}[dtype]
+        return tl.core.tensor(TensorHandle(np.array(int(self), dtype=np_type), dtype), dtype)
+
+
+def counting_range(*args):
+    return (Counter(i) for i in builtins.range(*args))
+
+
+import fla.ops
+for info in pkgutil.walk_packages(fla.ops.__path__, "fla.ops."):
+    try:
+        importlib.import_module(info.name).range = counting_range
+    except Exception:
+        pass
+
+from models.memory import training
+from models.memory.naive import memory_scan_reference
+from models.memory.ops import memory_scan
+from models.memory.training import outputs_and_grads, relative_error
+from tests.models.test_memory_triton_train import SCHED, crossing_inputs
+
+logging.basicConfig(level=logging.WARNING)
+inp = crossing_inputs(False, T=21, K=16, V=8, seed=3)
+ref = outputs_and_grads(memory_scan_reference, inp, **SCHED)
+f32 = {n: x.float() if x is not None and x.is_floating_point() else x for n, x in inp.items()}
+got = outputs_and_grads(memory_scan, f32, **SCHED, backend="fla_chunk", training=True)
+assert not training.path_disabled("fla_chunk"), "fell back to the eager form"
+err = relative_error(got, ref)
+assert err < 1e-5, err
+print("ok", err)
+"""
+
+
+def test_fla_chunk_kda_training_path_in_interpreter():
+    """fla's chunk_kda forward and backward kernels, through memory_scan(training=True,
+    backend='fla_chunk'), under Triton's CPU interpreter (in a child process: the two
+    interpreter shims patch fla's modules)."""
+    pytest.importorskip("fla")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(
+        [sys.executable, "-c", FLA_CHUNK_CHECK], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip().startswith("ok"), res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_model_training_step_on_the_kernels_equals_chunk(
+    interpret, fresh_guard, monkeypatch, momentum
+):
+    """A MemoryRecommender's loss and every parameter gradient with memory.train_backend =
+    triton equal those with chunk (float64, two layers, unlocks inside the batch)."""
+    from tests.models.test_recommender import N_ITEMS, advance, batch, small_model
+
+    used = []
+    fused = training.fused_scan
+    monkeypatch.setattr(training, "fused_scan", lambda name: used.append(name) or fused(name))
+
+    items, actions, ts = batch(B=3, T=10, seed=5)
+    lengths = torch.tensor([10, 4, 7])
+    request = ts + 1000
+    grads = {}
+    for backend in ("chunk", "triton"):
+        model = small_model(momentum=momentum, n_blocks=2)
+        model.mem_cfg.train_backend = backend
+        model.train()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        res = advance(model, items, actions, ts, lengths, request_ts=request)
+        logits = res.user @ model.item_weight().T
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, N_ITEMS), items.roll(-1, dims=1).clamp(max=N_ITEMS - 1).reshape(-1)
+        )
+        loss.backward()
+        grads[backend] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+    assert used == ["triton", "triton"] and not training.path_disabled("triton")
+    for a, b in zip(grads["triton"], grads["chunk"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
