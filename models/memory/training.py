@@ -222,10 +222,15 @@ def check_inputs(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Random inputs for a check: users starting at position 0, just before a Proteus
-    unlock and past the horizon, one with a single event and one with none (padding)."""
+    unlock and past the horizon, one with a single event and one with none (padding); any
+    further users start anywhere up to twice the horizon with 0 to T events."""
     delta = schedule_delta(n_blocks, horizon)
     T = events if events is not None else 2 * delta + 5
     g = torch.Generator().manual_seed(seed)
+    more = max(users - 4, 0)
+    starts = [0, max(delta - 3, 0), horizon + 1, 1]
+    starts += torch.randint(0, 2 * horizon + 1, (more,), generator=g).tolist()
+    lens = [T, max(T - 7, 0), 1, 0] + torch.randint(0, T + 1, (more,), generator=g).tolist()
 
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g, dtype=dtype).to(device)
@@ -234,8 +239,6 @@ def check_inputs(
         return torch.sigmoid(torch.randn(*shape, generator=g, dtype=dtype)).to(device)
 
     B, H, K, V = users, heads, key_dim, value_dim
-    starts = [0, max(delta - 3, 0), horizon + 1, 1] + [7 * i for i in range(max(B - 4, 0))]
-    lens = [T, max(T - 7, 0), 1, 0] + [T - i % T for i in range(max(B - 4, 0))]
     return dict(
         q=rnd(B, T, H, K),
         k=rnd(B, T, H, K),

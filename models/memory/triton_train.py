@@ -312,6 +312,7 @@ class TrainScanFn(torch.autograd.Function):
         lengths: torch.Tensor,
         checkpoint: int,
         block_v: int,
+        warps: tuple[int, int],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         B, T, H, K = kt.shape
         V = v.shape[-1]
@@ -329,10 +330,10 @@ class TrainScanFn(torch.autograd.Function):
             S0, M0 if momentum else S0, y, S, M if momentum else S,
             cS, cM if momentum else cS,
             T, H, K, V, NC,
-            HAS_MOMENTUM=momentum, CK=checkpoint, BK=BK, BV=BV, num_warps=FWD_WARPS,
+            HAS_MOMENTUM=momentum, CK=checkpoint, BK=BK, BV=BV, num_warps=warps[0],
         )  # fmt: skip
         ctx.save_for_backward(kt, qt, v, theta, eta, alpha, S0, M0, rows, lengths, cS, cM)
-        ctx.sizes = (checkpoint, block_v, NC)
+        ctx.sizes = (checkpoint, block_v, NC, warps[1])
         return y, S, M
 
     @staticmethod
@@ -340,7 +341,7 @@ class TrainScanFn(torch.autograd.Function):
         ctx: Any, dy: torch.Tensor | None, dS: torch.Tensor | None, dM: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         kt, qt, v, theta, eta, alpha, S0, M0, rows, lengths, cS, cM = ctx.saved_tensors
-        checkpoint, block_v, NC = ctx.sizes
+        checkpoint, block_v, NC, bwd_warps = ctx.sizes
         momentum = eta is not None and M0 is not None
         B, T, H, K = kt.shape
         V = v.shape[-1]
@@ -365,7 +366,7 @@ class TrainScanFn(torch.autograd.Function):
             cS, cM if momentum else cS, dy, dS, dM,
             dk, dq, dv, dth, deta, dal, dS0, dM0, scS, scM,
             B, T, H, K, V, NC, NV,
-            HAS_MOMENTUM=momentum, CK=checkpoint, BK=BK, BV=BV, num_warps=BWD_WARPS,
+            HAS_MOMENTUM=momentum, CK=checkpoint, BK=BK, BV=BV, num_warps=bwd_warps,
         )  # fmt: skip
         return (
             dk.sum(0),
@@ -376,6 +377,7 @@ class TrainScanFn(torch.autograd.Function):
             dal.sum(0),
             dS0,
             dM0 if momentum else None,
+            None,
             None,
             None,
             None,
@@ -400,10 +402,12 @@ def memory_scan_triton_train(
     qk_l2norm: bool = True,
     checkpoint: int = DEFAULT_CHECKPOINT,
     block_v: int = DEFAULT_BLOCK_V,
+    warps: tuple[int, int] = (FWD_WARPS, BWD_WARPS),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The common backend signature on the training kernels, with autograd. Computes in
     float64 when any float input is float64, else in float32; returns y in v's dtype and
-    S, M in S0's. No host synchronisation."""
+    S, M in S0's. No host synchronisation. ``checkpoint``, ``block_v`` and ``warps``
+    (forward, backward) tune the launch."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if S0.shape != (B, H, K, V):
@@ -426,6 +430,6 @@ def memory_scan_triton_train(
     y, S, M = TrainScanFn.apply(
         prep(kt), prep(qt), prep(v), prep(theta), prep(eta) if momentum else None,
         prep(alpha), prep(S0), prep(M0) if momentum else None, rows,
-        lengths.clamp(0, T).to(torch.int32).contiguous(), checkpoint, block_v,
+        lengths.clamp(0, T).to(torch.int32).contiguous(), checkpoint, block_v, warps,
     )  # fmt: skip
     return y.to(v.dtype), S.to(S0.dtype), (M.to(M0.dtype) if momentum and M0 is not None else M0)
