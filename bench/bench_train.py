@@ -276,14 +276,21 @@ def check_model(
     }
 
 
-SWEEP = [(32, (2, 4)), (32, (1, 2)), (32, (4, 8)), (16, (1, 2)), (16, (2, 4)), (8, (1, 2))]
-"""(block_v, (forward warps, backward warps)) of the Triton training kernels, timed at the
-end when the budget allows; the first is the default."""
+SWEEP = [
+    ((32, 4), (8, 2)),
+    ((32, 4), (16, 4)),
+    ((32, 4), (32, 8)),
+    ((32, 4), (8, 1)),
+    ((16, 2), (8, 2)),
+    ((32, 2), (16, 2)),
+]
+"""((BV, warps) forward, (BV, warps) backward) of the Triton training kernels, timed at the
+end when the budget allows; the first is the default (triton_train.FWD_LAUNCH, BWD_LAUNCH)."""
 
 
 def sweep_point(
-    cfg: Config, device: torch.device, B: int, T: int, reps: int, block_v: int,
-    warps: tuple[int, int],
+    cfg: Config, device: torch.device, B: int, T: int, reps: int,
+    fwd: tuple[int, int], bwd: tuple[int, int],
 ) -> dict[str, Any]:  # fmt: skip
     """Forward + backward of the momentum scan on the Triton kernels at the training
     shapes, with this launch shape: milliseconds and the error against the eager form."""
@@ -295,7 +302,7 @@ def sweep_point(
     )  # fmt: skip
 
     def fused(**kw: Any) -> Any:
-        return memory_scan_triton_train(**kw, block_v=block_v, warps=warps)
+        return memory_scan_triton_train(**kw, fwd=fwd, bwd=bwd)
 
     try:
         got = training.outputs_and_grads(fused, inputs, **sched)
@@ -529,12 +536,11 @@ def main() -> None:
         save()
     if not args.no_sweep and unavailable("momentum:triton", device) is None:
         result["triton_sweep"] = {}
-        for block_v, warps in SWEEP:
-            if over_budget(f"sweep block_v={block_v} warps={warps}"):
+        for fwd, bwd in SWEEP:
+            name = f"fwd={fwd},bwd={bwd}"
+            if over_budget(f"sweep {name}"):
                 break
-            result["triton_sweep"][f"block_v={block_v},warps={warps}"] = sweep_point(
-                cfg, device, batch, seg, args.reps, block_v, warps
-            )
+            result["triton_sweep"][name] = sweep_point(cfg, device, batch, seg, args.reps, fwd, bwd)
             save()
     base = result["paths"].get("sasrec", {}).get("targets_per_s")
     if base:

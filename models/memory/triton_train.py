@@ -51,12 +51,16 @@ from models.memory.recurrent import event_positions, masked_qk
 
 DEFAULT_CHECKPOINT = 16
 """Events between two stored states in the forward pass (the backward re-runs each chunk)."""
-DEFAULT_BLOCK_V = 32
-"""Value columns per program."""
-FWD_WARPS = 2
-BWD_WARPS = 4
-"""Warps per program: the backward keeps six K x BV tiles live (S, M before and after the
-event, dS, dM), the forward two."""
+Launch = tuple[int, int]
+"""(value columns per program BV, warps per program) of one kernel."""
+FWD_LAUNCH: Launch = (32, 4)
+BWD_LAUNCH: Launch = (8, 2)
+"""Compiled for an H100/H200 (sm_90) at K = V = 32 (ptxas, no GPU needed): the forward at
+(32, 4) takes 127 registers per thread, so all 250 programs of an ML-1M batch (125 users x
+2 heads) run at once; the backward keeps more live (dS, dM, S, M, the gate products) and
+takes 167 registers at (8, 2), 213 at (32, 8), 215 at (16, 4), with spills at (32, 4).
+bench/bench_train.py times alternatives (``SWEEP``). The two launches are independent: the
+checkpoints hold whole K x V tiles."""
 
 
 def _next_pow2(n: int) -> int:
@@ -65,7 +69,11 @@ def _next_pow2(n: int) -> int:
 
 @cache
 def _kernels() -> tuple[Any, Any]:
-    """Compile-on-demand: build the @triton.jit kernels the first time they are needed."""
+    """Compile-on-demand: build the @triton.jit kernels the first time they are needed.
+
+    K and V are compile-time constants (one compilation per layer size; the masks of a
+    power-of-two K and V fold away), and the gates act through [BK] row vectors (a, e, o
+    per row), which keeps fewer K x BV tiles live than 2-D selects."""
     import triton
     import triton.language as tl
 
@@ -88,9 +96,9 @@ def _kernels() -> tuple[Any, Any]:
         cM_ptr,
         T,
         H,
-        K,
-        V,
         NC,
+        K: tl.constexpr,
+        V: tl.constexpr,
         HAS_MOMENTUM: tl.constexpr,
         CK: tl.constexpr,
         BK: tl.constexpr,
@@ -98,47 +106,48 @@ def _kernels() -> tuple[Any, Any]:
     ):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
-        vb = tl.program_id(2).to(tl.int64)
         n = tl.load(len_ptr + b).to(tl.int64)
         rk = tl.arange(0, BK)
-        rv = vb * BV + tl.arange(0, BV)
+        rv = tl.program_id(2) * BV + tl.arange(0, BV)
         mask_k = rk < K
         mask_v = rv < V
         tile = mask_k[:, None] & mask_v[None, :]
-        st_off = ((b * H + h) * K + rk[:, None]) * V + rv[None, :]
-        S = tl.load(S0_ptr + st_off, mask=tile, other=0.0)
+        # 64-bit scalar bases, 32-bit offsets within a tile (fewer registers)
+        tile_off = rk[:, None] * V + rv[None, :]
+        st_base = (b * H + h) * K * V
+        S = tl.load(S0_ptr + st_base + tile_off, mask=tile, other=0.0)
         if HAS_MOMENTUM:
-            M = tl.load(M0_ptr + st_off, mask=tile, other=0.0)
+            M = tl.load(M0_ptr + st_base + tile_off, mask=tile, other=0.0)
         n_chunks = (n + CK - 1) // CK
         for c in range(0, n_chunks):
-            ck_off = (((b * H + h) * NC + c) * K + rk[:, None]) * V + rv[None, :]
-            tl.store(cS_ptr + ck_off, S, mask=tile)
+            ck_base = ((b * H + h) * NC + c) * K * V
+            tl.store(cS_ptr + ck_base + tile_off, S, mask=tile)
             if HAS_MOMENTUM:
-                tl.store(cM_ptr + ck_off, M, mask=tile)
+                tl.store(cM_ptr + ck_base + tile_off, M, mask=tile)
             t0 = c * CK
             t1 = tl.minimum(t0 + CK, n)
             for i in range(t0, t1):
                 ev = b * T + i
                 g = ev * H + h
-                is_open = (rk < tl.load(rows_ptr + ev))[:, None]
+                is_open = rk < tl.load(rows_ptr + ev)
                 kk = tl.load(k_ptr + g * K + rk, mask=mask_k, other=0.0)
                 qq = tl.load(q_ptr + g * K + rk, mask=mask_k, other=0.0)
                 vv = tl.load(v_ptr + g * V + rv, mask=mask_v, other=0.0)
                 th = tl.load(theta_ptr + g)
-                al = tl.load(alpha_ptr + g)
+                a = tl.where(is_open, 1.0 - tl.load(alpha_ptr + g), 1.0)
                 w = tl.sum(kk[:, None] * S, axis=0) - vv
-                u = kk[:, None] * w[None, :]
                 if HAS_MOMENTUM:
-                    et = tl.load(eta_ptr + g)
-                    M = tl.where(is_open, et * M - th * u, M)
-                    S = tl.where(is_open, (1.0 - al) * S + M, S)
+                    e = tl.where(is_open, tl.load(eta_ptr + g), 1.0)
+                    o = tl.where(is_open, 1.0, 0.0)
+                    M = e[:, None] * M - (th * kk)[:, None] * w[None, :]
+                    S = a[:, None] * S + o[:, None] * M
                 else:
-                    S = tl.where(is_open, (1.0 - al) * S - th * u, S)
+                    S = a[:, None] * S - (th * kk)[:, None] * w[None, :]
                 y = tl.sum(qq[:, None] * S, axis=0)
                 tl.store(y_ptr + g * V + rv, y, mask=mask_v)
-        tl.store(ST_ptr + st_off, S, mask=tile)
+        tl.store(ST_ptr + st_base + tile_off, S, mask=tile)
         if HAS_MOMENTUM:
-            tl.store(MT_ptr + st_off, M, mask=tile)
+            tl.store(MT_ptr + st_base + tile_off, M, mask=tile)
 
     @triton.jit
     def train_bwd_kernel(
@@ -168,10 +177,10 @@ def _kernels() -> tuple[Any, Any]:
         B,
         T,
         H,
-        K,
-        V,
         NC,
         NV,
+        K: tl.constexpr,
+        V: tl.constexpr,
         HAS_MOMENTUM: tl.constexpr,
         CK: tl.constexpr,
         BK: tl.constexpr,
@@ -179,60 +188,61 @@ def _kernels() -> tuple[Any, Any]:
     ):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
-        vb = tl.program_id(2).to(tl.int64)
+        vb = tl.program_id(2)
         n = tl.load(len_ptr + b).to(tl.int64)
         rk = tl.arange(0, BK)
-        rc = tl.arange(0, BV)
-        rv = vb * BV + rc
+        rv = vb * BV + tl.arange(0, BV)
         mask_k = rk < K
         mask_v = rv < V
         tile = mask_k[:, None] & mask_v[None, :]
-        st_off = ((b * H + h) * K + rk[:, None]) * V + rv[None, :]
-        dS = tl.load(dST_ptr + st_off, mask=tile, other=0.0)
+        tile_off = rk[:, None] * V + rv[None, :]
+        st_base = (b * H + h) * K * V
+        dS = tl.load(dST_ptr + st_base + tile_off, mask=tile, other=0.0)
         if HAS_MOMENTUM:
-            dM = tl.load(dMT_ptr + st_off, mask=tile, other=0.0)
-        prog = (b * H + h) * NV + vb
-        sc_base = prog * CK * BK * BV + rk[:, None] * BV + rc[None, :]
+            dM = tl.load(dMT_ptr + st_base + tile_off, mask=tile, other=0.0)
+        sc_off = rk[:, None] * BV + tl.arange(0, BV)[None, :]
+        sc_base = ((b * H + h) * NV + vb) * CK * BK * BV  # this program's scratch
         part = vb * B * T * H  # this value block's partial sums
         n_chunks = (n + CK - 1) // CK
         for cc in range(0, n_chunks):
             c = n_chunks - 1 - cc
-            ck_off = (((b * H + h) * NC + c) * K + rk[:, None]) * V + rv[None, :]
-            S = tl.load(cS_ptr + ck_off, mask=tile, other=0.0)
+            ck_base = ((b * H + h) * NC + c) * K * V
+            S = tl.load(cS_ptr + ck_base + tile_off, mask=tile, other=0.0)
             if HAS_MOMENTUM:
-                M = tl.load(cM_ptr + ck_off, mask=tile, other=0.0)
+                M = tl.load(cM_ptr + ck_base + tile_off, mask=tile, other=0.0)
             t0 = c * CK
             t1 = tl.minimum(t0 + CK, n)
             # Re-run the chunk, keeping the state before each event.
             for i in range(t0, t1):
                 sc = sc_base + (i - t0) * BK * BV
-                tl.store(scS_ptr + sc, S)
+                tl.store(scS_ptr + sc + sc_off, S)
                 if HAS_MOMENTUM:
-                    tl.store(scM_ptr + sc, M)
+                    tl.store(scM_ptr + sc + sc_off, M)
                 ev = b * T + i
                 g = ev * H + h
-                is_open = (rk < tl.load(rows_ptr + ev))[:, None]
+                is_open = rk < tl.load(rows_ptr + ev)
                 kk = tl.load(k_ptr + g * K + rk, mask=mask_k, other=0.0)
                 vv = tl.load(v_ptr + g * V + rv, mask=mask_v, other=0.0)
                 th = tl.load(theta_ptr + g)
-                al = tl.load(alpha_ptr + g)
+                a = tl.where(is_open, 1.0 - tl.load(alpha_ptr + g), 1.0)
                 w = tl.sum(kk[:, None] * S, axis=0) - vv
-                u = kk[:, None] * w[None, :]
                 if HAS_MOMENTUM:
-                    et = tl.load(eta_ptr + g)
-                    M = tl.where(is_open, et * M - th * u, M)
-                    S = tl.where(is_open, (1.0 - al) * S + M, S)
+                    e = tl.where(is_open, tl.load(eta_ptr + g), 1.0)
+                    o = tl.where(is_open, 1.0, 0.0)
+                    M = e[:, None] * M - (th * kk)[:, None] * w[None, :]
+                    S = a[:, None] * S + o[:, None] * M
                 else:
-                    S = tl.where(is_open, (1.0 - al) * S - th * u, S)
+                    S = a[:, None] * S - (th * kk)[:, None] * w[None, :]
             tl.debug_barrier()
-            # Walk the chunk backwards.
+            # Walk the chunk backwards. S_t and M_t are never formed: only their products
+            # with dy are needed (dq~), and the gate gradients are reductions.
             for j in range(0, t1 - t0):
                 i = t1 - 1 - j
                 sc = sc_base + (i - t0) * BK * BV
-                S = tl.load(scS_ptr + sc)
+                S = tl.load(scS_ptr + sc + sc_off)
                 ev = b * T + i
                 g = ev * H + h
-                is_open = (rk < tl.load(rows_ptr + ev))[:, None]
+                is_open = rk < tl.load(rows_ptr + ev)
                 kk = tl.load(k_ptr + g * K + rk, mask=mask_k, other=0.0)
                 qq = tl.load(q_ptr + g * K + rk, mask=mask_k, other=0.0)
                 vv = tl.load(v_ptr + g * V + rv, mask=mask_v, other=0.0)
@@ -240,40 +250,41 @@ def _kernels() -> tuple[Any, Any]:
                 th = tl.load(theta_ptr + g)
                 al = tl.load(alpha_ptr + g)
                 w = tl.sum(kk[:, None] * S, axis=0) - vv
-                u = kk[:, None] * w[None, :]
+                # dq~ = S_t dy, S_t = a S + o M_t, M_t = e M - theta k~ w^T on open rows
+                S_dy = tl.sum(S * dy[None, :], axis=1)
+                Mt_dy = -th * kk * tl.sum(w * dy, axis=0)
                 if HAS_MOMENTUM:
-                    M = tl.load(scM_ptr + sc)
+                    M = tl.load(scM_ptr + sc + sc_off)
                     et = tl.load(eta_ptr + g)
-                    M_t = tl.where(is_open, et * M - th * u, M)
-                    S_t = tl.where(is_open, (1.0 - al) * S + M_t, S)
-                else:
-                    S_t = tl.where(is_open, (1.0 - al) * S - th * u, S)
-                dq = tl.sum(S_t * dy[None, :], axis=1)
-                dS = dS + qq[:, None] * dy[None, :]
-                dal = -tl.sum(tl.sum(tl.where(is_open, dS * S, 0.0), axis=1), axis=0)
+                    Mt_dy += et * tl.sum(M * dy[None, :], axis=1)
+                dq = tl.where(is_open, (1.0 - al) * S_dy + Mt_dy, S_dy)
+                dS += qq[:, None] * dy[None, :]
+                open2 = is_open[:, None]
+                dal = -tl.sum(tl.sum(tl.where(open2, dS * S, 0.0), axis=1), axis=0)
                 if HAS_MOMENTUM:
-                    dM = dM + tl.where(is_open, dS, 0.0)
-                    G = tl.where(is_open, dM, 0.0)
+                    dM += tl.where(open2, dS, 0.0)
+                    G = tl.where(open2, dM, 0.0)
                     de = tl.sum(tl.sum(G * M, axis=1), axis=0)
                     tl.store(deta_ptr + part + g, de)
                 else:
-                    G = tl.where(is_open, dS, 0.0)
-                dth = -tl.sum(tl.sum(G * u, axis=1), axis=0)
-                dU = -th * G
-                dw = tl.sum(dU * kk[:, None], axis=0)
-                dk = tl.sum(dU * w[None, :], axis=1) + tl.sum(S * dw[None, :], axis=1)
+                    G = tl.where(open2, dS, 0.0)
+                Gw = tl.sum(G * w[None, :], axis=1)  # G w: [BK]
+                dth = -tl.sum(kk * Gw, axis=0)
+                dw = -th * tl.sum(G * kk[:, None], axis=0)
+                dk = -th * Gw + tl.sum(S * dw[None, :], axis=1)
                 tl.store(dk_ptr + (part + g) * K + rk, dk, mask=mask_k)
                 tl.store(dq_ptr + (part + g) * K + rk, dq, mask=mask_k)
                 tl.store(dv_ptr + g * V + rv, -dw, mask=mask_v)
                 tl.store(dth_ptr + part + g, dth)
                 tl.store(dal_ptr + part + g, dal)
-                dS = tl.where(is_open, (1.0 - al) * dS, dS) + kk[:, None] * dw[None, :]
+                a = tl.where(is_open, 1.0 - al, 1.0)
+                dS = a[:, None] * dS + kk[:, None] * dw[None, :]
                 if HAS_MOMENTUM:
-                    dM = tl.where(is_open, et * dM, dM)
+                    dM = tl.where(is_open, et, 1.0)[:, None] * dM
             tl.debug_barrier()
-        tl.store(dS0_ptr + st_off, dS, mask=tile)
+        tl.store(dS0_ptr + st_base + tile_off, dS, mask=tile)
         if HAS_MOMENTUM:
-            tl.store(dM0_ptr + st_off, dM, mask=tile)
+            tl.store(dM0_ptr + st_base + tile_off, dM, mask=tile)
 
     return train_fwd_kernel, train_bwd_kernel
 
@@ -287,6 +298,7 @@ def _check_device(x: torch.Tensor) -> None:
 
 
 def _blocks(K: int, V: int, block_v: int) -> tuple[int, int, int]:
+    """(BK, BV, number of value blocks)."""
     BV = min(_next_pow2(V), block_v)
     return _next_pow2(K), BV, -(-V // BV)
 
@@ -311,29 +323,29 @@ class TrainScanFn(torch.autograd.Function):
         rows: torch.Tensor,
         lengths: torch.Tensor,
         checkpoint: int,
-        block_v: int,
-        warps: tuple[int, int],
+        fwd: Launch,
+        bwd: Launch,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         B, T, H, K = kt.shape
         V = v.shape[-1]
         momentum = eta is not None and M0 is not None
-        BK, BV, NV = _blocks(K, V, block_v)
+        BK, BV, NV = _blocks(K, V, fwd[0])
         NC = max(1, -(-T // checkpoint))
         y = torch.zeros_like(v)
         S = torch.empty_like(S0)
         M = torch.empty_like(S0) if momentum else None
         cS = S0.new_empty(B, H, NC, K, V)
         cM = S0.new_empty(B, H, NC, K, V) if momentum else None
-        fwd, _ = _kernels()
-        fwd[(B, H, NV)](
+        fwd_kernel, _ = _kernels()
+        fwd_kernel[(B, H, NV)](
             kt, qt, v, theta, eta if momentum else theta, alpha, rows, lengths,
             S0, M0 if momentum else S0, y, S, M if momentum else S,
             cS, cM if momentum else cS,
-            T, H, K, V, NC,
-            HAS_MOMENTUM=momentum, CK=checkpoint, BK=BK, BV=BV, num_warps=warps[0],
+            T, H, NC,
+            K=K, V=V, HAS_MOMENTUM=momentum, CK=checkpoint, BK=BK, BV=BV, num_warps=fwd[1],
         )  # fmt: skip
         ctx.save_for_backward(kt, qt, v, theta, eta, alpha, S0, M0, rows, lengths, cS, cM)
-        ctx.sizes = (checkpoint, block_v, NC, warps[1])
+        ctx.sizes = (checkpoint, NC, bwd)
         return y, S, M
 
     @staticmethod
@@ -341,11 +353,11 @@ class TrainScanFn(torch.autograd.Function):
         ctx: Any, dy: torch.Tensor | None, dS: torch.Tensor | None, dM: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         kt, qt, v, theta, eta, alpha, S0, M0, rows, lengths, cS, cM = ctx.saved_tensors
-        checkpoint, block_v, NC, bwd_warps = ctx.sizes
+        checkpoint, NC, bwd = ctx.sizes
         momentum = eta is not None and M0 is not None
         B, T, H, K = kt.shape
         V = v.shape[-1]
-        BK, BV, NV = _blocks(K, V, block_v)
+        BK, BV, NV = _blocks(K, V, bwd[0])
         dy = torch.zeros_like(v) if dy is None else dy.contiguous()
         dS = torch.zeros_like(S0) if dS is None else dS.contiguous()
         dM = dS if not momentum else torch.zeros_like(S0) if dM is None else dM.contiguous()
@@ -360,13 +372,13 @@ class TrainScanFn(torch.autograd.Function):
         dM0 = torch.empty_like(S0) if momentum else dS0
         scS = S0.new_empty(B * H * NV, checkpoint, BK, BV)
         scM = S0.new_empty(B * H * NV, checkpoint, BK, BV) if momentum else scS
-        _, bwd = _kernels()
-        bwd[(B, H, NV)](
+        _, bwd_kernel = _kernels()
+        bwd_kernel[(B, H, NV)](
             kt, qt, v, theta, eta if momentum else theta, alpha, rows, lengths,
             cS, cM if momentum else cS, dy, dS, dM,
             dk, dq, dv, dth, deta, dal, dS0, dM0, scS, scM,
-            B, T, H, K, V, NC, NV,
-            HAS_MOMENTUM=momentum, CK=checkpoint, BK=BK, BV=BV, num_warps=bwd_warps,
+            B, T, H, NC, NV,
+            K=K, V=V, HAS_MOMENTUM=momentum, CK=checkpoint, BK=BK, BV=BV, num_warps=bwd[1],
         )  # fmt: skip
         return (
             dk.sum(0),
@@ -401,19 +413,19 @@ def memory_scan_triton_train(
     horizon: int,
     qk_l2norm: bool = True,
     checkpoint: int = DEFAULT_CHECKPOINT,
-    block_v: int = DEFAULT_BLOCK_V,
-    warps: tuple[int, int] = (FWD_WARPS, BWD_WARPS),
+    fwd: Launch = FWD_LAUNCH,
+    bwd: Launch = BWD_LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The common backend signature on the training kernels, with autograd. Computes in
     float64 when any float input is float64, else in float32; returns y in v's dtype and
-    S, M in S0's. No host synchronisation. ``checkpoint``, ``block_v`` and ``warps``
-    (forward, backward) tune the launch."""
+    S, M in S0's. No host synchronisation. ``checkpoint`` (events between stored states),
+    ``fwd`` and ``bwd`` (value columns per program, warps) tune the launches."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if S0.shape != (B, H, K, V):
         raise ValueError(f"S0 must be [B={B}, H={H}, K={K}, V={V}], got {tuple(S0.shape)}")
-    if checkpoint < 1 or block_v < 1:
-        raise ValueError("checkpoint and block_v must be >= 1")
+    if checkpoint < 1 or min(*fwd, *bwd) < 1:
+        raise ValueError("checkpoint and the launch sizes must be >= 1")
     _check_device(q)
     momentum = eta is not None and M0 is not None
     if T == 0:
@@ -430,6 +442,6 @@ def memory_scan_triton_train(
     y, S, M = TrainScanFn.apply(
         prep(kt), prep(qt), prep(v), prep(theta), prep(eta) if momentum else None,
         prep(alpha), prep(S0), prep(M0) if momentum else None, rows,
-        lengths.clamp(0, T).to(torch.int32).contiguous(), checkpoint, block_v, warps,
+        lengths.clamp(0, T).to(torch.int32).contiguous(), checkpoint, fwd, bwd,
     )  # fmt: skip
     return y.to(v.dtype), S.to(S0.dtype), (M.to(M0.dtype) if momentum and M0 is not None else M0)

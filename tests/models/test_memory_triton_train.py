@@ -40,6 +40,15 @@ def interpret(monkeypatch):
 
 
 @pytest.fixture
+def compiled(monkeypatch):
+    """Kernels built for compilation, not for the interpreter."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tt._kernels.cache_clear()
+    yield
+    tt._kernels.cache_clear()
+
+
+@pytest.fixture
 def fresh_guard(monkeypatch):
     """Each test starts with no fused path disabled or checked."""
     monkeypatch.setattr(training, "_disabled", set())
@@ -59,15 +68,21 @@ SCHED = dict(n_blocks=3, horizon=12)
 
 
 @pytest.mark.parametrize("momentum", [True, False])
-@pytest.mark.parametrize(("checkpoint", "block_v"), [(4, 4), (1, 32), (16, 2)])
-def test_outputs_states_and_gradients_equal_reference(interpret, momentum, checkpoint, block_v):
+@pytest.mark.parametrize(
+    ("checkpoint", "fwd_bv", "bwd_bv"), [(4, 4, 4), (1, 32, 2), (16, 2, 32), (5, 8, 4)]
+)
+def test_outputs_states_and_gradients_equal_reference(
+    interpret, momentum, checkpoint, fwd_bv, bwd_bv
+):
     """K = 10 (not a power of two), V = 6 in one, two (one partial) or three value blocks,
-    checkpoints every event, every 4 events or once for the whole segment."""
+    forward and backward split differently, checkpoints every event, every 4 or 5 events
+    or once for the whole segment."""
     inp = crossing_inputs(momentum)
     ref = outputs_and_grads(memory_scan_reference, inp, **SCHED)
     got = outputs_and_grads(
-        tt.memory_scan_triton_train, inp, **SCHED, checkpoint=checkpoint, block_v=block_v
-    )
+        tt.memory_scan_triton_train, inp, **SCHED, checkpoint=checkpoint,
+        fwd=(fwd_bv, 2), bwd=(bwd_bv, 4),
+    )  # fmt: skip
     assert len(got) == len(ref) == (3 + 8 if momentum else 2 + 6)
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=TIGHT, atol=TIGHT)
@@ -326,3 +341,29 @@ def test_model_training_step_on_the_kernels_equals_chunk(
     assert used == ["triton", "triton"] and not training.path_disabled("triton")
     for a, b in zip(grads["triton"], grads["chunk"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+@pytest.mark.parametrize(("K", "V"), [(32, 32), (10, 6)])
+def test_kernels_compile_for_hopper(compiled, momentum, K, V):
+    """The interpreter does not compile: build both kernels for an H100/H200 (sm_90) down
+    to a cubin with Triton's bundled ptxas (no GPU needed), default launches, a
+    power-of-two layer and one that needs masks."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for kernel, (block_v, warps) in zip(tt._kernels(), (tt.FWD_LAUNCH, tt.BWD_LAUNCH)):
+        BK, BV, _ = tt._blocks(K, V, block_v)
+        consts = dict(K=K, V=V, HAS_MOMENTUM=momentum, CK=16, BK=BK, BV=BV)
+        signature = {
+            n: "constexpr" if n in consts
+            else ("*i32" if n in ("rows_ptr", "len_ptr") else "*fp32") if n.endswith("_ptr")
+            else "i32"
+            for n in kernel.arg_names
+        }  # fmt: skip
+        src = ASTSource(kernel, signature, consts)
+        compiled = triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
+        )
+        assert compiled.asm["cubin"]
