@@ -547,6 +547,7 @@ def main() -> None:
         result["ratios_to_sasrec"] = {
             p: r["targets_per_s"] / base for p, r in result["paths"].items() if "targets_per_s" in r
         }
+    result["machine"]["triton_f32_default_at_end"] = os.environ.get("TRITON_F32_DEFAULT")
     result["wall_s"] = time.perf_counter() - began
     save()
     print(f"wrote {args.json} ({result['wall_s']:.0f} s)")
