@@ -93,9 +93,11 @@ PATHS = (
     "delta:chunk",
     "delta:triton",
     "delta:fla_chunk",
+    "momentum:triton+graphs",
 )
-"""sasrec, or RULE:TRAIN_BACKEND with RULE momentum (the default Titans rule) or delta
-(memory.momentum = false)."""
+"""sasrec, or RULE:TRAIN_BACKEND[+graphs] with RULE momentum (the default Titans rule) or
+delta (memory.momentum = false); +graphs: train.cuda_graphs on (models/train_step.py; the
+fused path has no cumprod, whose backward blocked the capture; see ``graph_captured``)."""
 
 
 # ---------------------------------------------------------------- data
@@ -151,14 +153,21 @@ def path_config(cfg: Config, path: str) -> Config:
     rule, backend = path.split(":")
     out = copy.deepcopy(cfg)
     out.memory.momentum = rule == "momentum"
-    out.memory.train_backend = backend
+    out.memory.train_backend, _, graphs = backend.partition("+")
+    out.train.cuda_graphs = graphs == "graphs"
     return out
+
+
+def backend_of(path: str) -> str:
+    return path.split(":")[-1].partition("+")[0]
 
 
 def unavailable(path: str, device: torch.device) -> str | None:
     """Why a path cannot run here (None: it can)."""
-    backend = path.split(":")[-1]
+    backend = backend_of(path)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if path.endswith("+graphs") and device.type != "cuda":
+        return "CUDA graphs need CUDA"
     if backend == "triton" and device.type != "cuda" and not interpret:
         return "needs CUDA (or TRITON_INTERPRET=1 on the CPU)"
     if backend == "fla_chunk":
@@ -201,7 +210,7 @@ def check_scan(
     eager form in float64, and the time of one forward + backward of each."""
     m = cfg.memory
     momentum = path.startswith("momentum")
-    fused = training.fused_scan(path.split(":")[1])
+    fused = training.fused_scan(backend_of(path))
     sched = dict(n_blocks=m.n_blocks, horizon=m.horizon, qk_l2norm=m.qk_l2norm)
     inputs = training.check_inputs(
         device, momentum, m.n_heads, m.key_dim, m.value_dim,
@@ -272,7 +281,7 @@ def check_model(
         "loss_rel": training.relative_error(fused[:1], eager[:1]),
         "grad_rel_max": max(per_param),
         "grad_max_abs": errors(fused[1:], eager[1:])["max_abs"],
-        "fell_back": training.path_disabled(path.split(":")[1]),
+        "fell_back": training.path_disabled(backend_of(path)),
     }
 
 
@@ -388,7 +397,10 @@ def time_path(
         "batch_size": epoch.batch_size,
     }  # fmt: skip
     if path != "sasrec":
-        out["fell_back"] = training.path_disabled(path.split(":")[1])
+        out["fell_back"] = training.path_disabled(backend_of(path))
+        static = getattr(epoch, "static", None)
+        if static is not None:
+            out["graph_captured"] = static.graph is not None
     return out
 
 
@@ -505,12 +517,14 @@ def main() -> None:
         return False
 
     # fla's kernels autotune and compile longest: their check and timing go last
-    fused = [p for p in paths if p.split(":")[-1] in training.FUSED]
-    order = [p for p in paths if "fla" not in p] + [p for p in paths if "fla" in p]
-    for path in sorted(fused, key=order.index):
+    for path in paths:
         why = unavailable(path, device)
         if why is not None:
             result["skipped"][path] = why
+    fused = [p for p in paths if backend_of(p) in training.FUSED and "+" not in p]
+    order = [p for p in paths if "fla" not in p] + [p for p in paths if "fla" in p]
+    for path in sorted(fused, key=order.index):
+        if path in result["skipped"]:
             continue
         if "fla" in path:
             continue  # checked right before its timing
