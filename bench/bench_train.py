@@ -482,6 +482,7 @@ def main() -> None:
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"),
+            "triton_interpret": os.environ.get("TRITON_INTERPRET"),
             **versions(),
         },
         "data": {
