@@ -15,11 +15,11 @@ evolve independently, so K x BV tiles of S and M stay in registers while the pro
 the user's events, as in ``triton_momentum.py``.
 
 Backward. The state cannot be run backwards (gates can be 0), so the forward kernel stores
-S and M every ``chunk`` events (checkpoints, [B, H, ceil(T / chunk), K, V]); the backward
-kernel walks the chunks last to first: it re-runs the chunk's events from its checkpoint,
-writing the state before each event to a per-program scratch buffer ([chunk, K, BV], read
-back by the same program, so it stays in L2), then walks the chunk's events in reverse with
-the adjoints dS, dM in registers:
+S and M every ``checkpoint`` events ([B, H, ceil(T / checkpoint), K, V]); the backward
+kernel walks these chunks of events last to first: it re-runs a chunk from its stored
+state, writing the state before each event to a per-program scratch buffer ([checkpoint,
+K, BV], read back by the same program, so it stays in L2), then walks the chunk's events in
+reverse with the adjoints dS, dM in registers:
 
     dS  += q~ dy^T;  dq~ = S_t dy                       (y = S_t^T q~)
     dM  += o dS                                         (S_t = a S + o M_t)
