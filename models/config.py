@@ -31,10 +31,20 @@ class MemoryConfig:
     theta_max: float = 1.0
     """Upper bound of the write rate theta = theta_max * sigmoid(.)."""
     backend: str = "auto"
-    """Memory kernel: auto, or a backend of models/memory/ops.py: reference | recurrent |
-    chunk | chunk_aligned | triton | fla_chunk | fla_recurrent (fla_*: CUDA machines with
-    flash-linear-attention; fla = fla_chunk). auto picks triton on CUDA and the recurrent or
-    aligned chunked path (inference) or the chunk form (training) on CPU."""
+    """Memory kernel outside training: auto, or a backend of models/memory/ops.py:
+    reference | recurrent | chunk | chunk_aligned | triton | fla_chunk | fla_recurrent
+    (fla_*: CUDA machines with flash-linear-attention; fla = fla_chunk). auto picks triton
+    on CUDA and the recurrent or aligned chunked path on CPU."""
+    train_backend: str = "chunk"
+    """Memory kernel of a training step: chunk | auto | triton | fla_chunk | recurrent |
+    reference. chunk: the eager chunked form (the default, and the path every committed
+    report trained with). triton: fused forward and backward kernels (both rules); fla_chunk:
+    fla's chunk_kda with its backward (memory.momentum = false only); both are exact against
+    the reference on the CPU (Triton's interpreter) but have not yet run on a GPU
+    (bench/gpu_train.sh measures and checks them), so they are opt-in. auto: triton on CUDA
+    once it has matched chunk on a small check of the layer's sizes, chunk otherwise. A
+    fused path that fails logs one warning and the training goes on with chunk
+    (models/memory/training.py)."""
     chunk_size: int = 16
     """Chunk length of the chunked (parallel) form used for training."""
 

@@ -22,6 +22,7 @@ from models.features import previous_ts, time_gap_buckets
 from models.hybrid import ReadHead
 from models.memory.ops import memory_readout, memory_scan
 from models.memory.recurrent import at_last_event, event_positions, masked_qk
+from models.memory.training import check_train_backend
 from models.sequences import EventSeqs
 from models.state import NO_ITEM, MemoryState
 
@@ -48,6 +49,7 @@ class MemoryLayer(nn.Module):
         D, H, K, V = model.embed_dim, mem.n_heads, mem.key_dim, mem.value_dim
         self.H, self.K, self.V = H, K, V
         self.mem = mem
+        check_train_backend(mem.train_backend, mem.momentum)
         self.qkv = nn.Linear(D, H * (2 * K + V))
         n_gates = 3 if mem.momentum else 2
         self.gates = nn.Linear(D, H * n_gates)
@@ -106,6 +108,7 @@ class MemoryLayer(nn.Module):
         B, T, _ = x.shape
         q, k, v, theta, eta, alpha = self.project(x)
         mem = self.mem
+        training = self.training and torch.is_grad_enabled()
         y, S, M = memory_scan(
             q,
             k,
@@ -120,8 +123,8 @@ class MemoryLayer(nn.Module):
             n_blocks=mem.n_blocks,
             horizon=mem.horizon,
             qk_l2norm=mem.qk_l2norm,
-            backend=mem.backend,
-            training=self.training and torch.is_grad_enabled(),
+            backend=mem.train_backend if training else mem.backend,
+            training=training,
             chunk_size=mem.chunk_size,
         )
         kq = None

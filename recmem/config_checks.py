@@ -107,8 +107,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kafka.security_protocol": ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     "kafka.sasl_mechanism": ("", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"),
 }
-"""``section.field`` -> its allowed values. ``memory.backend``, ``model.hybrid`` and
-``model.request_time`` are checked against the code that implements them instead."""
+"""``section.field`` -> its allowed values. ``memory.backend``, ``memory.train_backend``,
+``model.hybrid`` and ``model.request_time`` are checked against the code that implements
+them instead."""
 
 SECRETS: tuple[str, ...] = (
     "kafka.sasl_password",
@@ -149,6 +150,16 @@ def _backend_problem(cfg: Any) -> str | None:
     return None if name in known else f"memory.backend {name!r} is not one of {'|'.join(known)}"
 
 
+def _train_backend_problem(cfg: Any) -> str | None:
+    from models.memory.training import check_train_backend  # the training paths (torch)
+
+    try:
+        check_train_backend(cfg.memory.train_backend, cfg.memory.momentum)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _head_problem(cfg: Any) -> str | None:
     from models.hybrid import check_head_config  # the head's own rules (imports torch)
 
@@ -185,7 +196,11 @@ def problems(cfg: Any) -> list[str]:
     if out:  # the rules below assume every field is in range
         return out
     out = [message for holds, message in RULES if not holds(cfg)]
-    return out + [msg for check in (_backend_problem, _head_problem) if (msg := check(cfg))]
+    return out + [
+        msg
+        for check in (_backend_problem, _train_backend_problem, _head_problem)
+        if (msg := check(cfg))
+    ]
 
 
 def redact(data: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:

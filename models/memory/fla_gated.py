@@ -13,6 +13,13 @@ Variable lengths go in packed (B = 1, ``cu_seqlens``); users with no new events 
 fla's kernels need CUDA; this module only imports fla when called. fla has no momentum
 rule we can use, so eta must be None here.
 
+Training (``memory_scan_fla_chunk_train``) keeps the padded [B, T] layout instead: a padding
+event has k~ = q~ = 0 and gk = 0, which is an exact no-op in fla's rule too, so nothing is
+packed, no value is read back to the host and fla's backward gives every gradient (q, k,
+v, gk, beta, the initial state). 1 - alpha is clamped at ``KEEP_MIN`` there (the forward
+form above refuses alpha = 1 instead): alpha is a sigmoid, which float32 rounds to 1 for
+large logits.
+
 Precision: fla's chunk kernels multiply float32 through Triton's default dot precision,
 TF32, which put ``chunk_kda`` at 1.25e-3 relative error against the float64 reference on an
 H200 (bench/results/memory_gpu_h200.json), over our 1e-3 bar. With three-pass TF32
@@ -24,6 +31,7 @@ the chunk path sets ``TRITON_F32_DEFAULT=tf32x3`` for the process before its fir
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,6 +117,60 @@ def _fla_scan(
     y.reshape(B * T, H, V)[valid] = o[0].to(y.dtype)
     S[busy] = ht.to(S.dtype)
     return y, S, M0
+
+
+KEEP_MIN = 1e-6
+"""Smallest 1 - alpha the training path passes to fla (k~ is divided by it)."""
+
+
+def memory_scan_fla_chunk_train(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    eta: torch.Tensor | None,
+    alpha: torch.Tensor,
+    S0: torch.Tensor,
+    M0: torch.Tensor | None,
+    pos0: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    n_blocks: int,
+    horizon: int,
+    qk_l2norm: bool = True,
+    kda: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule through fla's ``chunk_kda`` with its backward pass, padded layout,
+    no host synchronisation (the training path). ``kda`` replaces ``chunk_kda`` (tests pass
+    fla's naive recurrent form to check the mapping); fla computes in float32."""
+    if eta is not None:
+        raise ValueError(
+            "fla backends cover only the gated delta rule (eta None); "
+            "use train backend 'triton' or 'chunk' for the momentum rule"
+        )
+    if kda is None:
+        from fla.ops.kda import chunk_kda
+
+        precise_f32_dots()
+        kda = chunk_kda
+    T = q.shape[1]
+    if T == 0:
+        return v.new_zeros(v.shape), S0, M0
+    positions = event_positions(pos0, lengths, T)
+    qt, kt, m = masked_qk(q, k, positions, n_blocks, horizon, qk_l2norm)
+    keep = torch.clamp(1 - alpha, min=KEEP_MIN)[..., None]  # [B, T, H, 1]
+    gk = torch.log(keep) * m[:, :, None, :]  # 0 on locked rows and padding
+    o, ht = kda(
+        q=qt.float(),
+        k=(kt / keep).float(),
+        v=v.float(),
+        g=gk.float(),
+        beta=(theta * keep[..., 0]).float(),
+        scale=1.0,
+        initial_state=S0.float(),
+        output_final_state=True,
+    )
+    return o.to(v.dtype), ht.to(S0.dtype), M0
 
 
 def memory_scan_fla_chunk(

@@ -10,6 +10,10 @@ chunked form for inference with chunks aligned to the Proteus schedule, no autog
 ``chunk_size``), ``triton`` (our fused CUDA kernel, forward only), and on CUDA machines with
 flash-linear-attention ``fla_chunk`` and ``fla_recurrent`` (gated delta rule only; ``fla``
 is an alias of ``fla_chunk``).
+
+With ``training=True`` the names ``triton`` and ``fla_chunk`` stand for the fused paths
+with a backward pass (``training.py``: ``triton_train.py``, fla's ``chunk_kda``), run
+under a guard that falls back to the eager chunked form.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from models.memory.chunk_aligned import aligned_chunk_size, memory_scan_chunk_al
 from models.memory.naive import memory_scan_reference
 from models.memory.readout import READOUT_MAX_EVENTS, memory_readout_chunk
 from models.memory.recurrent import at_last_event, flush_denormals, memory_scan_recurrent
+from models.memory.training import FUSED, guarded_scan, path_checked
 from models.memory.triton_momentum import memory_scan_triton
 
 log = logging.getLogger(__name__)
@@ -98,7 +103,8 @@ def resolve_backend(
 ) -> str:
     """The backend ``auto`` stands for on this device; aliases resolve, other names pass.
 
-    Training needs gradients: the chunked form everywhere. Inference: our Triton kernel on
+    Training needs gradients: our fused kernels with their backward pass on CUDA (used once
+    checked, ``training.path_checked``), the chunked form on CPU. Inference: our Triton kernel on
     CUDA (both variants); on CPU the aligned chunked form for batches of ``users`` users
     ``length`` events wide that are large enough (CPU_CHUNK_*) and whose aligned chunk size
     ``chunk`` is >= CPU_CHUNK_MIN_SIZE (no gradient wanted: ``length`` given), else the
@@ -107,7 +113,7 @@ def resolve_backend(
     if name != "auto":
         return ALIASES.get(name, name)
     if training:
-        return "chunk"
+        return "triton" if device.type == "cuda" else "chunk"
     if device.type == "cuda":
         return "triton"
     if length is not None and chunk >= CPU_CHUNK_MIN_SIZE:
@@ -134,6 +140,8 @@ def memory_scan(
     name = resolve_backend(
         backend, q.device, training, length=length, users=q.shape[0], chunk=chunk
     )
+    if training and name in FUSED:
+        return _fused_training_scan(name, backend == "auto", chunk_size, args, kwargs)
     if name not in BACKENDS:
         raise ValueError(
             f"memory backend {name!r} is not available here (have: {sorted(BACKENDS)})"
@@ -141,6 +149,27 @@ def memory_scan(
     if name in TAKES_CHUNK_SIZE:
         kwargs["chunk_size"] = chunk_size
     return BACKENDS[name](*args, **kwargs)
+
+
+SCAN_ARGS = ("q", "k", "v", "theta", "eta", "alpha", "S0", "M0", "pos0", "lengths")
+
+
+def _fused_training_scan(
+    name: str, checked: bool, chunk_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A fused training path under its guard; chosen by ``auto`` it must first pass
+    ``path_checked`` for these sizes, else the eager chunked form runs."""
+    kwargs = dict(kwargs)
+    tensors = list(args) + [kwargs.pop(n) for n in SCAN_ARGS[len(args) :]]
+    q, v, eta, M0 = tensors[0], tensors[2], tensors[4], tensors[7]
+    kwargs["chunk_size"] = chunk_size
+    momentum = eta is not None and M0 is not None
+    if checked and not path_checked(
+        name, q.device, momentum, q.shape[2], q.shape[3], v.shape[3], **kwargs
+    ):
+        return memory_scan_chunk(*tensors, **kwargs)
+    y, S, M = guarded_scan(name, *tensors, **kwargs)
+    return y, S, M
 
 
 def _needs_grad(x: Any) -> bool:

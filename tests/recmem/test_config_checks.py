@@ -108,6 +108,17 @@ def test_backend_names_come_from_the_kernel_registry() -> None:
         load_config(None, ["memory.backend=cuda9"], environ={})
 
 
+def test_train_backends_come_from_the_training_paths() -> None:
+    cfg = load_config(None, ["memory.train_backend=triton"], environ={})
+    assert cfg.memory.train_backend == "triton"
+    with pytest.raises(ConfigError, match="memory.train_backend 'fast' is not one of"):
+        load_config(None, ["memory.train_backend=fast"], environ={})
+    with pytest.raises(ConfigError, match="only the rule without momentum"):
+        load_config(None, ["memory.train_backend=fla_chunk"], environ={})
+    off = ["memory.train_backend=fla_chunk", "memory.momentum=false"]
+    assert load_config(None, off, environ={}).memory.train_backend == "fla_chunk"
+
+
 def test_secrets_are_masked_when_printed(capsys: pytest.CaptureFixture[str]) -> None:
     secrets = {
         "kafka.sasl_password": "pw-1",
