@@ -47,6 +47,23 @@ class MemoryConfig:
     (models/memory/training.py)."""
     chunk_size: int = 16
     """Chunk length of the chunked (parallel) form used for training."""
+    unlock: str = "uniform"
+    """When Proteus opens the next key block (models/memory/schedule.py): uniform = every
+    Delta = N // E events (the schedule above); surprise = after every Delta-th event, when
+    the mean over those Delta events of the memory's surprise (its key-value loss on the
+    event before the write, ||S^T k~ - v||^2 / ||v||^2) is at least ``unlock_threshold``;
+    drift = the same with interest drift (1 - cos of the event's item embedding with the
+    sum of the previous W events'; needs a hybrid head's window); narrow = never (one
+    block, K / E rows, stays open: the fixed-narrow-capacity control). surprise and drift
+    keep per user and layer the unlock count and the signal's running sum in the state.
+    Static capacity is E = 1."""
+    unlock_threshold: float = 0.5
+    """Threshold of the surprise / drift unlock rule (the signal's mean over Delta events)."""
+    block_order: str = "prefix"
+    """Which blocks open, in what order: prefix = 0, 1, 2, ...; reverse = E-1, E-2, ...
+    (relabelled key rows: the same model in distribution, a seed-noise control); random =
+    a random order per user, keyed on the user's first event. Orders other than prefix need
+    key_dim divisible by n_blocks."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ RANGES: dict[str, str] = {
     "memory.horizon": "[1, inf)",
     "memory.theta_max": "(0, 1]",
     "memory.chunk_size": "[1, inf)",
+    "memory.unlock_threshold": "[0, inf]",
     "model.embed_dim": "[1, inf)",
     "model.n_oov_buckets": "[1, inf)",
     "model.n_time_buckets": "[1, inf)",
@@ -108,8 +109,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kafka.sasl_mechanism": ("", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"),
 }
 """``section.field`` -> its allowed values. ``memory.backend``, ``memory.train_backend``,
-``model.hybrid`` and ``model.request_time`` are checked against the code that implements
-them instead."""
+``model.hybrid``, ``model.request_time``, ``memory.unlock`` and ``memory.block_order`` are
+checked against the code that implements them instead."""
 
 SECRETS: tuple[str, ...] = (
     "kafka.sasl_password",
@@ -160,6 +161,18 @@ def _train_backend_problem(cfg: Any) -> str | None:
     return None
 
 
+def _schedule_problem(cfg: Any) -> str | None:
+    from models.memory.schedule import check_schedule_config  # the schedules' own rules
+
+    mem = cfg.memory
+    window = cfg.model.window if cfg.model.hybrid != "none" else 0
+    try:
+        check_schedule_config(mem.unlock, mem.block_order, mem.key_dim, mem.n_blocks, window)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _head_problem(cfg: Any) -> str | None:
     from models.hybrid import check_head_config  # the head's own rules (imports torch)
 
@@ -198,7 +211,7 @@ def problems(cfg: Any) -> list[str]:
     out = [message for holds, message in RULES if not holds(cfg)]
     return out + [
         msg
-        for check in (_backend_problem, _train_backend_problem, _head_problem)
+        for check in (_backend_problem, _train_backend_problem, _head_problem, _schedule_problem)
         if (msg := check(cfg))
     ]
 

@@ -251,10 +251,10 @@ class Ranker:
         self.sources = sources
         self.query_events = query_events
         self.device = next(model.parameters()).device
-        self.graphs = (
-            GraphedReplay(model, max_batch) if cuda_graphs and self.device.type == "cuda" else None
-        )
-        """The replay pass under CUDA graphs (``cuda_graphs`` on a CUDA device), else None."""
+        graphs = cuda_graphs and self.device.type == "cuda" and not model.sched.adaptive
+        self.graphs = GraphedReplay(model, max_batch) if graphs else None
+        """The replay pass under CUDA graphs (``cuda_graphs`` on a CUDA device), else None
+        (also under an adaptive unlock schedule, whose pieces are cut on the host)."""
         pop = np.zeros(model.n_items, np.float32) if popularity is None else popularity
         self.popularity = np.asarray(pop, np.float32)
         self._by_popularity = np.argsort(-self.popularity, kind="stable")

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.memory.proteus import unlocked_blocks
 from models.recommender import AdvanceResult, MemoryRecommender
 from models.state import MemoryState
 from recmem.archive import NoteBank
@@ -430,13 +429,14 @@ class Engine:
         if user_id not in self.store:
             return None
         state = self.store.read([user_id])
-        mem = self.cfg.memory
         pos = int(state.pos[0])
+        # adaptive schedules: the most any layer has unlocked
+        unlocks = 0 if state.unlocks is None else int(state.unlocks[0].max())
         return UserInfo(
             position=pos,
             last_ts_ms=int(state.last_ts[0]),
-            unlocked_blocks=unlocked_blocks(pos, mem.n_blocks, mem.horizon) if pos > 0 else 0,
-            total_blocks=mem.n_blocks,
+            unlocked_blocks=self.model.sched.open_blocks(pos, unlocks),
+            total_blocks=self.cfg.memory.n_blocks,
             note_count=self.bank.note_count(user_id) if self.bank is not None else 0,
             resident_tier=self.store.tier_of(user_id),
         )
