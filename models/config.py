@@ -94,6 +94,19 @@ class ModelConfig:
     """What the read-out knows of the request's time ("now"; offline, the target's own
     timestamp): none; gap = the time since the user's latest event (and, with a hybrid, the
     age of each window event); gap_clock = gap plus the hour of day and day of week (UTC)."""
+    replay_fusion: str = "none"
+    """How a NoteBank replay's memory read-out r is combined with the live one m
+    (models/fusion.py): none = r replaces m (the rank path without a learned fusion); gate =
+    m + a * sigmoid(W [m; r] + b) * (r - m); lowrank = m + B A [m; r] of rank
+    ``replay_rank``. Both learned ones start as "no replay" and are trained by replay-aware
+    training (``train.replay_steps``)."""
+    replay_rank: int = 8
+    """Rank of the ``lowrank`` replay fusion."""
+    route_dim: int = 0
+    """0: the NoteBank addresses notes with the masked queries q~ themselves (the archive's
+    fixed coordinate selection P, ``archive.address_dim``); d > 0: with a learned projection
+    of q~ per layer and head to d dimensions, trained by replay-aware training's routing loss
+    (models/fusion.py RouteProjection)."""
 
 
 @dataclass
@@ -148,3 +161,17 @@ class TrainConfig:
     feed-forward weight updates of the memory model, keyed on the optimizer step."""
     proteus_ffn_horizon: int = 2000
     """Optimizer steps after which every feed-forward block is open (with proteus_ffn_mask)."""
+    replay_steps: int = 0
+    """Replay-aware training (offline_eval/replay_training.py): after the base training,
+    this many optimizer steps in which a share of each batch's targets is scored through a
+    NoteBank replay (the archive as it stood before the target, routed by
+    ``archive.routing``, replayed on a copy of the state, the read-outs combined by the
+    model's ``model.replay_fusion``); 0 = off. Needs a replay fusion or a routing
+    projection to train."""
+    replay_share: float = 0.25
+    """Share of each user's eligible targets (those after its first closed chunk) replayed
+    in a replay-aware step."""
+    replay_freeze: bool = True
+    """Replay-aware training trains only the replay fusion and the routing projection; the
+    base model keeps its weights (so replay off answers exactly as before). False: every
+    weight trains on the replayed targets and, without replay, on the same targets."""

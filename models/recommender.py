@@ -20,6 +20,7 @@ from torch import nn
 from models.config import MemoryConfig, ModelConfig
 from models.embeddings import EventEmbeddings
 from models.features import previous_ts, time_gap_buckets
+from models.fusion import ReplayFusion, RouteProjection, check_fusion_config
 from models.hybrid import ReadHead
 from models.memory.ops import memory_readout, memory_scan
 from models.memory.recurrent import at_last_event, event_positions, masked_qk
@@ -301,6 +302,18 @@ class MemoryRecommender(nn.Module):
         self.head = ReadHead(model)
         self.use_kjt = False
         """Look event features up through torchrec's KJT path (see EventEmbeddings)."""
+        check_fusion_config(model.replay_fusion, model.replay_rank, model.route_dim, mem.key_dim)
+        self.fusion: ReplayFusion | None = None
+        self.route_proj: RouteProjection | None = None
+        # drawn from a fork of the random state: the base model and its training draw the
+        # same numbers with or without these modules (replay off is the same model)
+        with torch.random.fork_rng(devices=[]):
+            if model.replay_fusion != "none":
+                self.fusion = ReplayFusion(model.replay_fusion, D, model.replay_rank)
+            if model.route_dim > 0:
+                self.route_proj = RouteProjection(
+                    mem.n_layers * mem.n_heads, mem.key_dim, model.route_dim
+                )
 
     @property
     def embed_dim(self) -> int:
@@ -515,18 +528,45 @@ class MemoryRecommender(nn.Module):
         return MemoryState.from_fields(fields)
 
     def read_user(
-        self, state: MemoryState, request_ts: torch.Tensor, mem: torch.Tensor | None = None
+        self,
+        state: MemoryState,
+        request_ts: torch.Tensor,
+        mem: torch.Tensor | None = None,
+        replayed: torch.Tensor | None = None,
+        replayed_ok: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """User vectors [B, D] of ``state`` for requests at ``request_ts`` [B] (ms): the head
-        over the stored memory read-out (or ``mem`` [B, D], e.g. after a replay) and the
-        stored window; what ``advance`` gives for the latest event at the same request time."""
-        m = (state.h if mem is None else mem)[:, None]
+        over the stored memory read-out (or ``mem`` [B, D], e.g. after a request's context
+        events) and the stored window; what ``advance`` gives for the latest event at the
+        same request time. ``replayed`` [B, D]: the read-out after a NoteBank replay, for the
+        rows ``replayed_ok`` [B] (default all), combined with the live one by ``fuse``."""
+        m = state.h if mem is None else mem
+        if replayed is not None:
+            fused = self.fuse(m, replayed)
+            m = fused if replayed_ok is None else torch.where(replayed_ok[:, None], fused, m)
+        m = m[:, None]
         req = request_ts[:, None]
         last = state.last_ts[:, None]
         if self.head.window == 0:
             return self.head(m, last, req)[:, 0]
         tokens, ok = self._window_tokens(state)
         return self.head(m, last, req, tokens, state.win_ts, ok, state.window - 1)[:, 0]
+
+    def fuse(self, live: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:
+        """The memory read-out the head reads after a replay: the learned fusion of the live
+        and the replayed read-out (``model.replay_fusion``), or without one the replayed."""
+        return replayed if self.fusion is None else self.fusion(live, replayed)
+
+    @property
+    def route_dim(self) -> int:
+        """Dimensions of the routing queries ``route_features`` gives (K without a learned
+        projection)."""
+        return self.mem_cfg.key_dim if self.route_proj is None else self.model_cfg.route_dim
+
+    def route_features(self, q_tilde: torch.Tensor) -> torch.Tensor:
+        """The NoteBank's query features of masked queries q~ [..., L, H, K]: q~ itself, or
+        its learned projection (``model.route_dim``) [..., L, H, d]."""
+        return q_tilde if self.route_proj is None else self.route_proj(q_tilde)
 
     def _event_inputs(
         self,

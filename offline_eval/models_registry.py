@@ -134,6 +134,8 @@ def _describe(kind: str, cfg: Config, result: TrainResult) -> dict[str, Any]:
         "train_targets_per_s": result.targets_per_second(),
         "history": result.history,
     }
+    if result.replay:
+        out["replay_training"] = result.replay
     if kind == "memory":
         out["memory"] = dataclasses.asdict(cfg.memory)
     return out
@@ -223,7 +225,7 @@ def make_memory_proteus_notebank(
     cfg = copy.deepcopy(cfg)
     model, result, shared = _train_memory_proteus(split, cfg)
     assert isinstance(model, MemoryRecommender)
-    scorer = NotebankScorer(model, cfg, split.vocab)
+    scorer = NotebankScorer(model, cfg, split.vocab, item_categories=split.item_cat)
     info = _describe("memory", cfg, result)
     info["reused_training"] = shared
     if cfg.eval.checkpoint:

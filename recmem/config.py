@@ -157,6 +157,18 @@ class ArchiveConfig:
     replay_notes: int = 2
     """R: notes replayed at rank time by default (2 of {2, 4} at replay_query_events = 8;
     4 of {1, 2, 4, 8} at 1)."""
+    routing: str = "native"
+    """How a replay request picks its notes (recmem/archive/routing.py): native = each
+    channel of the query events' query features votes for the note with the most similar
+    address (the features are q~ itself, with the fixed coordinate selection P, or a
+    learned projection when the model has ``model.route_dim`` > 0); lexical = the notes
+    sharing items or categories with the query events; candidates = the notes whose events
+    have the categories of the request's candidates, or without candidates of the top
+    ``route_candidates`` items of the live user vector (SIM's hard search). Notes of no
+    overlap are not routed by the last two."""
+    route_candidates: int = 50
+    """Candidate-aware routing without candidates in the request: the categories of this
+    many top items of the live (no replay) user vector."""
     min_votes: int = 0
     """Least channel votes a note needs to be routed (0: the top R by votes, then by summed
     cosine, filled up with unvoted notes; m >= 1: only notes at least m channels voted
