@@ -51,14 +51,17 @@ class MemoryConfig:
     """When Proteus opens the next key block (models/memory/schedule.py): uniform = every
     Delta = N // E events (the schedule above); surprise = after every Delta-th event, when
     the mean over those Delta events of the memory's surprise (its key-value loss on the
-    event before the write, ||S^T k~ - v||^2 / ||v||^2) is at least ``unlock_threshold``;
-    drift = the same with interest drift (1 - cos of the event's item embedding with the
-    sum of the previous W events'; needs a hybrid head's window); narrow = never (one
-    block, K / E rows, stays open: the fixed-narrow-capacity control). surprise and drift
-    keep per user and layer the unlock count and the signal's running sum in the state.
-    Static capacity is E = 1."""
-    unlock_threshold: float = 0.5
-    """Threshold of the surprise / drift unlock rule (the signal's mean over Delta events)."""
+    event before the write, ||S^T k~ - v||^2 / ||v||^2) is at least ``unlock_threshold``
+    times the user's running level (the mean of its interval means so far); drift = the
+    same with interest drift (1 - cos of the event's item embedding with the sum of the
+    previous W events'; needs a hybrid head's window); narrow = never (one block, K / E
+    rows, stays open: the fixed-narrow-capacity control). surprise and drift keep per user
+    and layer the unlock count and the signal's sums in the state. Static capacity is
+    E = 1."""
+    unlock_threshold: float = 1.0
+    """Threshold of the surprise / drift unlock rule, relative to the user's running level
+    of the signal: 1 = unlock when the last Delta events were at least as surprising (or
+    drifting) as usual for the user; 0 = always (the uniform schedule); inf = never."""
     block_order: str = "prefix"
     """Which blocks open, in what order: prefix = 0, 1, 2, ...; reverse = E-1, E-2, ...
     (relabelled key rows: the same model in distribution, a seed-noise control); random =

@@ -56,7 +56,8 @@ class AdvanceResult:
 class LayerPlan:
     """One call's unlock-schedule inputs of a layer (models/memory/schedule.py): ``rows``
     [B, K] each user's key rows in opening order (block orders; None: as they are);
-    ``unlocks``, ``acc`` [B] the layer's unlock count and signal sum (surprise | drift);
+    ``unlocks`` [B], ``acc`` [B, 2] the layer's unlock count and signal sums (surprise |
+    drift);
     ``signal`` [B, T] the drift of the new events (None: surprise)."""
 
     rows: torch.Tensor | None = None

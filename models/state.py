@@ -30,8 +30,8 @@ class MemoryState:
 
     Optional fields of the unlock schedules (models/memory/schedule.py), None unless the
     model's schedule needs them: unlocks [B, L] int64, the blocks each layer's memory has
-    unlocked beyond the first (memory.unlock surprise | drift), unlock_acc [B, L] the signal
-    summed since that layer's last decision; order_key [B] int64, the key of the user's
+    unlocked beyond the first (memory.unlock surprise | drift), unlock_acc [B, L, 2] the
+    signal summed since that layer's last decision and the sum of its past interval means; order_key [B] int64, the key of the user's
     block order (memory.block_order random).
 
     Every field is a tensor whose first dimension is the user (M and the optional fields may
@@ -92,7 +92,7 @@ class MemoryState:
                 else None
             ),
             unlock_acc=(
-                torch.zeros((batch, n_layers), device=device, dtype=dtype) if adaptive else None
+                torch.zeros((batch, n_layers, 2), device=device, dtype=dtype) if adaptive else None
             ),
             order_key=torch.zeros(batch, dtype=torch.int64, device=device) if keyed_order else None,
         )

@@ -193,14 +193,15 @@ def memory_scan_scheduled_reference(
     - ``uniform``: k = k(t) of the positional schedule (SPEC section 3);
     - ``narrow``: k = 1 always (the fixed narrow capacity control);
     - ``surprise`` / ``drift``: k = min(E, 1 + unlocks). Every event adds its signal to
-      ``acc``: the memory's surprise before the write (``surprise_reference``) or the given
-      ``signal`` [B, T] (drift). After the event at a position t that is a multiple of
-      Delta = max(1, N // E), the user unlocks one more block when acc / Delta (the mean
-      over the Delta events since the previous such position) is at least ``threshold``;
-      acc then restarts from 0. k never decreases.
+      ``acc[0]``: the memory's surprise before the write (``surprise_reference``) or the
+      given ``signal`` [B, T] (drift). After the event at a position t = j * Delta (a
+      multiple of Delta = max(1, N // E): decision j), m_j = acc[0] / Delta is the mean over
+      the Delta events since the previous decision and acc[1] + m_j the sum of the means so
+      far; the user unlocks one more block when m_j >= threshold * (acc[1] + m_j) / j (its
+      running level). Then acc[0] restarts from 0 and m_j joins acc[1]. k never decreases.
 
     The open blocks are the first k of the user's block ``order`` [B, E] (None: 0, 1, ...).
-    Returns (y, S, M, unlocks [B], acc [B])."""
+    ``acc0`` [B, 2]. Returns (y, S, M, unlocks [B], acc [B, 2])."""
     B = q.shape[0]
     K = S0.shape[-2]
     delta = max(1, horizon // n_blocks)
@@ -223,15 +224,18 @@ def memory_scan_scheduled_reference(
             m = block_rows_mask(blocks[:n_open], K, n_blocks, S.dtype)
             if adaptive:
                 s = surprise_reference(S, k[b, i], v[b, i], m, qk_l2norm)
-                a = a + (s if signal is None else signal[b, i])
+                a = a.clone()
+                a[0] = a[0] + (s if signal is None else signal[b, i])
             S, M, y[b, i] = memory_step_masked(
                 S, M, q[b, i], k[b, i], v[b, i], theta[b, i],
                 None if eta is None else eta[b, i], alpha[b, i], m, qk_l2norm=qk_l2norm,
             )  # fmt: skip
             if adaptive and t % delta == 0:
-                if a / delta >= threshold:
+                mean = a[0] / delta
+                level = (a[1] + mean) / (t // delta)
+                if mean >= threshold * level:
                     un = min(un + 1, n_blocks - 1)
-                a = torch.zeros_like(a)
+                a = torch.stack([torch.zeros_like(mean), a[1] + mean])
         S_out[b] = S
         if M_out is not None and M is not None:
             M_out[b] = M

@@ -8,16 +8,19 @@ ordinary scan backends (every backend of ops.py works unchanged).
 - ``uniform``: at fixed positions, k(t) = min(E, 1 + floor((t - 1) / Delta)) (today);
 - ``narrow``: never: one block (K / E rows) stays open for ever (the "fixed narrow
   capacity" control); the positional scan with a horizon no position reaches;
-- ``surprise``: after every Delta-th event of the user's life, one more block opens when the
-  mean over those Delta events of the memory's surprise (its key-value loss on the event
-  before the write, ||S^T k~ - v||^2 / ||v||^2, mean over heads) is at least
-  ``memory.unlock_threshold``;
+- ``surprise``: after every Delta-th event of the user's life (decision j = 1, 2, ...), one
+  more block opens when m_j, the mean over those Delta events of the memory's surprise (its
+  key-value loss on the event before the write, ||S^T k~ - v||^2 / ||v||^2, mean over
+  heads), is at least ``memory.unlock_threshold`` times the user's running level
+  (m_1 + ... + m_j) / j: "more surprising than usual for this user" at threshold 1, every
+  time at 0 (the uniform schedule), never at infinity. Relative to the user's own level, a
+  threshold means the same whatever scale a model's signal has;
 - ``drift``: the same with interest drift as the signal: 1 - cos(item embedding of the
   event, sum of the item embeddings of the user's previous W events) (0 without history).
 
-The adaptive pair keeps, per user and layer, the unlock count and the signal summed since the
-last decision in the state (``MemoryState.unlocks``, ``unlock_acc``): streaming, checkpointed
-with the state, and k never decreases. Decisions fall only on multiples of Delta of the
+The adaptive pair keeps, per user and layer, the unlock count, the signal summed since the
+last decision and the sum of the past interval means in the state (``MemoryState.unlocks``,
+``unlock_acc``): streaming, checkpointed with the state, and k never decreases. Decisions fall only on multiples of Delta of the
 user's own position, so the events of one decision interval all run with one mask; the fast
 path cuts each call into pieces at every user's decision positions and runs each piece as an
 ordinary scan whose positions are shifted into the open block count's band of the uniform
@@ -219,6 +222,9 @@ class AdaptiveResult:
     positions: torch.Tensor
     """[B, T] the virtual positions each event ran at (0 for padding): their uniform-schedule
     mask is the event's mask (for k~, q~ outside the scan)."""
+    signals: torch.Tensor
+    """[B, T] the signal each event added (0 for padding): diagnostics, e.g. for choosing
+    a threshold's scale."""
 
 
 def adaptive_scan(
@@ -244,15 +250,17 @@ def adaptive_scan(
     """``naive.memory_scan_scheduled_reference`` for ``surprise`` / ``drift`` (prefix order;
     orders are a permutation of q and k outside): piece by piece (``decision_pieces``), each
     piece one ``scan`` (the backend signature, keyword ``n_blocks``/``horizon`` filled in
-    here) at virtual positions, the decisions between pieces. ``probe``: the gradient-free
-    scan that reads the surprise. ``signal`` [B, T]: the drift signal (None: surprise)."""
+    here) at virtual positions, the decisions between pieces. ``acc0`` [B, 2]: the signal
+    summed since the last decision and the sum of the past interval means. ``probe``: the
+    gradient-free scan that reads the surprise. ``signal`` [B, T]: the drift signal (None:
+    surprise)."""
     B, T = q.shape[:2]
     E, N, delta = sched.n_blocks, sched.horizon, sched.delta
     pos_h = pos0.detach().cpu().numpy()
     len_h = lengths.detach().cpu().numpy()
     S, M = S0, M0
     unlocks, acc = unlocks0, acc0
-    ys, vpos_parts = [], []
+    ys, vpos_parts, sig_parts = [], [], []
     for c0, c1 in decision_pieces(pos_h, len_h, delta):
         n = c1 - c0
         pl = torch.clamp(lengths - c0, min=0, max=n)
@@ -271,12 +279,20 @@ def adaptive_scan(
                           sched, qk_l2norm, probe)  # fmt: skip
         else:
             s = signal[:, c0:c1].detach()
-        acc = acc + torch.where(valid, s.to(acc.dtype), torch.zeros_like(acc[:, None])).sum(1)
+        s = torch.where(valid, s.to(acc.dtype), torch.zeros_like(acc[:, :1]))
+        now = acc[:, 0] + s.sum(1)
+        sig_parts.append(s)
         end = pos0 + c0 + pl
         at_grid = (pl > 0) & (torch.remainder(end, delta) == 0)
-        fire = at_grid & (acc / delta >= sched.threshold)
+        mean = now / delta
+        past = acc[:, 1] + mean
+        level = past / torch.clamp(torch.div(end, delta, rounding_mode="floor"), min=1)
+        fire = at_grid & (mean >= sched.threshold * level)
         unlocks = torch.where(fire, torch.clamp(unlocks + 1, max=E - 1), unlocks)
-        acc = torch.where(at_grid, torch.zeros_like(acc), acc)
+        acc = torch.stack(
+            [torch.where(at_grid, torch.zeros_like(now), now),
+             torch.where(at_grid, past, acc[:, 1])], dim=1,
+        )  # fmt: skip
         S, M = S_next, M_next
         ys.append(y)
         vpos_parts.append(positions)
@@ -284,7 +300,11 @@ def adaptive_scan(
     if done < T:  # columns past every user's last event: padding
         ys.append(v.new_zeros(B, T - done, *v.shape[2:]))
         vpos_parts.append(torch.zeros(B, T - done, dtype=torch.int64, device=q.device))
-    return AdaptiveResult(torch.cat(ys, dim=1), S, M, unlocks, acc, torch.cat(vpos_parts, dim=1))
+        sig_parts.append(acc0.new_zeros(B, T - done))
+    return AdaptiveResult(
+        torch.cat(ys, dim=1), S, M, unlocks, acc, torch.cat(vpos_parts, dim=1),
+        torch.cat(sig_parts, dim=1),
+    )  # fmt: skip
 
 
 def _surprise(

@@ -47,7 +47,7 @@ def fast_adaptive(inp, unlocks0, acc0, sched, backend, signal=None, qk_l2norm=Tr
 def start_state(B: int, E: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     unlocks0 = torch.randint(0, E, (B,), generator=g)
-    acc0 = torch.rand(B, generator=g, dtype=F64)
+    acc0 = torch.rand(B, 2, generator=g, dtype=F64)
     return unlocks0, acc0
 
 
@@ -62,7 +62,7 @@ def test_adaptive_scan_equals_reference(backend, unlock, momentum, K, E, N):
     unlocks0, acc0 = start_state(B, 2)
     g = torch.Generator().manual_seed(3)
     signal = torch.rand(B, T, generator=g, dtype=F64) * 2 if unlock == "drift" else None
-    for threshold in (-math.inf, 1.0 if unlock == "drift" else 2.5, math.inf):
+    for threshold in (0.0, 1.0, 1.3, math.inf):
         want = memory_scan_scheduled_reference(
             **inp, unlocks0=unlocks0, acc0=acc0, n_blocks=E, horizon=N, unlock=unlock,
             threshold=threshold, signal=signal,
@@ -78,13 +78,14 @@ def test_adaptive_scan_equals_reference(backend, unlock, momentum, K, E, N):
         torch.testing.assert_close(got.acc, want[4], atol=1e-9, rtol=1e-9)
 
 
-@pytest.mark.parametrize("unlock,mid", [("surprise", 2.5), ("drift", 1.0)])
+@pytest.mark.parametrize("unlock,mid", [("surprise", 1.0), ("drift", 1.0)])
 def test_thresholds_decide_both_ways(unlock, mid):
     """Between the extremes the rule unlocks some intervals and not others (so the equality
     tests above exercise both branches)."""
     B, T, H, K, V, E, N = 7, 37, 2, 16, 5, 16, 32
     inp = make_inputs(B, T, H, K, V, max_pos=40)
-    zero_u, zero_a = torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=F64)
+    inp["pos0"][:] = 0  # new users: their running level starts with them
+    zero_u, zero_a = torch.zeros(B, dtype=torch.int64), torch.zeros(B, 2, dtype=F64)
     g = torch.Generator().manual_seed(3)
     signal = torch.rand(B, T, generator=g, dtype=F64) * 2 if unlock == "drift" else None
 
@@ -92,8 +93,10 @@ def test_thresholds_decide_both_ways(unlock, mid):
         sched = sched_of(unlock, E, N, threshold)
         return fast_adaptive(inp, zero_u, zero_a, sched, "recurrent", signal).unlocks
 
-    always, mid_u, never = run(-math.inf), run(mid), run(math.inf)
-    assert (never == 0).all() and (always == inp["lengths"] // 2).all()
+    always, mid_u, never = run(0.0), run(mid), run(math.inf)
+    end = inp["pos0"] + inp["lengths"]
+    decisions = torch.clamp(end // 2 - inp["pos0"] // 2, max=E - 1)  # Delta = 2
+    assert (never == 0).all() and torch.equal(always, decisions)
     assert (mid_u > 0).any() and (mid_u < always).any()
 
 
@@ -103,10 +106,10 @@ def test_adaptive_locked_rows_keep_their_bits():
     B, T, H, K, V, E, N = 6, 30, 2, 8, 4, 4, 16
     inp = make_inputs(B, T, H, K, V, max_pos=20)
     unlocks0 = torch.tensor([0, 1, 0, 2, 3, 0])
-    acc0 = torch.zeros(B, dtype=F64)
+    acc0 = torch.zeros(B, 2, dtype=F64)
     d = K // E
     for backend in ("reference", "recurrent", "chunk", "chunk_aligned"):
-        got = fast_adaptive(inp, unlocks0, acc0, sched_of("surprise", E, N, 2.5), backend)
+        got = fast_adaptive(inp, unlocks0, acc0, sched_of("surprise", E, N, 1.0), backend)
         for b in range(B):
             n_open = min(E, 1 + int(got.unlocks[b]))
             locked = slice(K if n_open == E else n_open * d, K)
@@ -120,8 +123,8 @@ def test_thresholds_at_the_ends_are_uniform_and_narrow(K, E, N):
     B, T, H, V = 5, 40, 2, 4
     inp = make_inputs(B, T, H, K, V, max_pos=1)
     inp["pos0"][:] = 0
-    zero_u, zero_a = torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=F64)
-    for threshold, unlock in ((-math.inf, "uniform"), (math.inf, "narrow")):
+    zero_u, zero_a = torch.zeros(B, dtype=torch.int64), torch.zeros(B, 2, dtype=F64)
+    for threshold, unlock in ((0.0, "uniform"), (math.inf, "narrow")):
         got = fast_adaptive(inp, zero_u, zero_a, sched_of("surprise", E, N, threshold), "chunk")
         want = memory_scan_scheduled_reference(
             **inp, unlocks0=zero_u, acc0=zero_a, n_blocks=E, horizon=N, unlock=unlock
@@ -145,14 +148,14 @@ def test_block_orders_equal_reference(order, unlock):
     B, T, H, K, V, E, N = 5, 33, 2, 8, 3, 4, 16
     inp = make_inputs(B, T, H, K, V, max_pos=20)
     keys = order_keys(torch.arange(B) * 37 + 5, torch.arange(B) * 1000 + 17)
-    sched = sched_of(unlock, E, N, 2.5, order)
+    sched = sched_of(unlock, E, N, 1.0, order)
     blocks = block_order(sched, keys, B, torch.device("cpu"))
     assert blocks is not None
     rows = row_order(blocks, K)
     unlocks0, acc0 = start_state(B, E)
     want = memory_scan_scheduled_reference(
         **inp, unlocks0=unlocks0, acc0=acc0, n_blocks=E, horizon=N, unlock=unlock,
-        threshold=2.5, order=blocks,
+        threshold=1.0, order=blocks,
     )  # fmt: skip
 
     def perm(x):  # [B, T, H, K] or [B, H, K, V] along K
@@ -238,12 +241,12 @@ def test_config_checks():
 # ---------------------------------------------------------------- the model under a schedule
 
 SCHEDULES = [
-    {"unlock": "surprise", "unlock_threshold": 0.9},
-    {"unlock": "drift", "unlock_threshold": 0.7},
+    {"unlock": "surprise", "unlock_threshold": 1.0},
+    {"unlock": "drift", "unlock_threshold": 1.0},
     {"unlock": "narrow"},
     {"block_order": "reverse"},
     {"block_order": "random"},
-    {"unlock": "surprise", "unlock_threshold": 0.9, "block_order": "random"},
+    {"unlock": "surprise", "unlock_threshold": 1.0, "block_order": "random"},
 ]
 
 
@@ -304,6 +307,7 @@ def test_model_streaming_in_pieces_equals_one_run(kw):
     if model.sched.adaptive:
         assert whole.unlocks is not None and whole.unlock_acc is not None
         assert whole.unlocks.shape == (5, 2)
+        assert whole.unlock_acc is not None and whole.unlock_acc.shape == (5, 2, 2)
     if model.sched.keyed:
         assert whole.order_key is not None and (whole.order_key[lengths > 0] > 0).all()
 
@@ -320,9 +324,9 @@ def test_model_replay_read_equals_advance(kw):
 
 
 def test_adaptive_always_unlocking_equals_the_uniform_model():
-    """The same weights with ``surprise`` at threshold -inf run the uniform schedule."""
+    """The same weights with ``surprise`` at threshold 0 run the uniform schedule."""
     uniform = tiny_model()
-    adaptive = tiny_model(unlock="surprise", unlock_threshold=-math.inf)
+    adaptive = tiny_model(unlock="surprise", unlock_threshold=0.0)
     adaptive.load_state_dict(uniform.state_dict())
     items, actions, ts, lengths = events(5, 40)
     a, out_a = split_run(adaptive, items, actions, ts, lengths, [7, 20])

@@ -212,7 +212,7 @@ def test_causality_no_later_event_reaches_a_target(tmp_path: Path, routing: str)
             for r in out.routed:  # the routed notes' events
                 notes.append(archive.replay_events(r)[0].tolist())
             assert states.unlocks is not None and states.unlock_acc is not None
-            unlocks.append(torch.cat([states.unlocks.double(), states.unlock_acc], 1))
+            unlocks.append(torch.cat([states.unlocks.double(), states.unlock_acc.flatten(1)], 1))
 
         piecewise_states(model, s, qs, settings.query_events, step)
         return notes, unlocks
