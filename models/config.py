@@ -157,8 +157,8 @@ class TrainConfig:
     captured once in a CUDA graph and replayed (models/train_step.py). Off: on the H200
     (torch 2.11) the capture fails, because two backward passes read a value on the host
     (the embedding backward counts its distinct rows, cumprod's checks for zeros); a failed
-    capture falls back to eager steps. Not with the sampled loss or proteus_ffn_mask; no
-    effect on the CPU."""
+    capture falls back to eager steps. Not with the sampled loss, proteus_ffn_mask or an
+    adaptive unlock schedule (memory.unlock surprise | drift); no effect on the CPU."""
     proteus_ffn_mask: bool = False
     """Paper section 2.4: apply the Proteus prefix mask (E = memory.n_blocks) to the
     feed-forward weight updates of the memory model, keyed on the optimizer step."""

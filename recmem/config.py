@@ -83,6 +83,11 @@ class EvalConfig:
     and ``memory-proteus-notebank`` evaluate instead of training one; it must have been
     trained on the same split (vocabulary and boundaries are checked). Its memory and model
     sections replace the configured ones. Empty: train."""
+    interval_reference: str = ""
+    """The model (its spec, as in ``--models``) that the report's paired intervals compare
+    every model with, e.g. ``memory-proteus`` for replay on vs off on the same weights or
+    ``memory-proteus[memory.n_blocks=1]`` for a schedule vs static; empty = the best model
+    that is not a memory model."""
     jobs: int = 1
     """``recmem eval``: models trained and evaluated at once, each in its own worker process
     (spread over the visible GPUs; without a GPU each gets its share of the CPU cores).

@@ -211,6 +211,11 @@ RULES: tuple[tuple[Callable[[Any], bool], str], ...] = (
         lambda c: c.archive.replay_notes <= c.server.max_replay_notes,
         "archive.replay_notes (the default R) must be <= server.max_replay_notes",
     ),
+    (
+        lambda c: c.model.route_dim <= c.archive.address_dim,
+        "model.route_dim must be <= archive.address_dim (the archive keeps every dimension "
+        "of a learned routing address)",
+    ),
 )
 """Rules between fields: (holds, the message when it does not)."""
 

@@ -77,8 +77,10 @@ def test_replay_variant_of_a_checkpoint(tmp_path: Path) -> None:
     cfg.data.dataset = "synthetic"
     run_train(cfg, tmp_path / "model")
     cfg.eval.checkpoint = str(tmp_path / "model")
+    cfg.train.seed = 3  # as the GPU plan runs a seed's variants on that seed's base
     models = ["memory-proteus", f"memory-proteus-notebank[{GATE}]"]
     summary = runner.run_eval(cfg, "synthetic", models, tmp_path / "o", write_report=False)
+    assert summary["models"][models[1]]["seeds"] == [3]  # merges with other seeds' runs
     nb = summary["models"][models[1]]["config"]
     assert nb["checkpoint"] == str(tmp_path / "model")
     assert nb["replay_training"]["steps"] == 2
