@@ -161,11 +161,14 @@ run)
   date -u +%FT%TZ >$W/started
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 20 >$W/smi.csv &
   SMI=$!
+  # per-process GPU memory, for sizing how many trainings share the GPU
+  nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv -l 20 >$W/apps.csv &
+  APPS=$!
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # many processes share the GPU
   PIDS=()
   "plan_$2"
   wait "${PIDS[@]}"
-  kill $SMI
+  kill $SMI $APPS
   date -u +%FT%TZ >$W/DONE
   ;;
 wait)
