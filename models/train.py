@@ -194,6 +194,9 @@ class TrainControl:
             "train_loss": float(self.loss_sum) / max(self.loss_n, 1),
         }
         self.loss_sum, self.loss_n = 0.0, 0
+        if not math.isfinite(entry["train_loss"]):  # type: ignore[arg-type]
+            self.diverged(entry)
+            return
         if self.validate_fn is not None:
             was_training = self.model.training
             self.model.eval()
@@ -222,6 +225,23 @@ class TrainControl:
                 self.stop, self.result.stopped = True, "early_stop"
         entry["seconds"] = self.elapsed()
         self.result.history.append(entry)
+
+    def diverged(self, entry: dict[str, object]) -> None:
+        """A non-finite training loss: stop now; training ends with the best validated
+        weights, or fails when there are none."""
+        log.warning(
+            "step %d (epoch %d): training loss %s: training diverged; stopping with the best "
+            "validated weights (step %s)", self.step, self.epoch + 1, entry["train_loss"],
+            self.result.best_step,
+        )  # fmt: skip
+        entry["seconds"] = self.elapsed()
+        self.result.history.append(entry)
+        self.stop, self.result.stopped = True, "diverged"
+        if self.best_state is None:
+            raise FloatingPointError(
+                f"training diverged (loss {entry['train_loss']}) at step {self.step}, before "
+                "any validation: lower train.lr or raise train.warmup_steps"
+            )
 
 
 def fit(

@@ -5,6 +5,8 @@ target's score (0 = top). Ties therefore count in the target's favour; a model t
 every item the same score gets rank 0 for every target, so scorers must break ties in their
 scores if that matters (Pop adds a tiny id-based tie-break). Excluded items (already seen by
 the user, when the protocol says so) never count; the target itself is never excluded.
+A NaN score (a diverged model) counts against the model: a NaN item ranks above the target,
+and a NaN target ranks below every item, so NaN can never look like a perfect ranking.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def target_ranks(
     if exclude is not None:
         scores.masked_fill_(exclude, -math.inf)
         scores[idx, targets] = target_score
-    return (scores > target_score.unsqueeze(1)).sum(dim=1)
+    # not (score <= target) = above the target, NaN on either side included; ties stay below
+    return (~(scores <= target_score.unsqueeze(1))).sum(dim=1)
 
 
 def target_log_loss(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

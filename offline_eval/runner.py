@@ -19,11 +19,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from offline_eval.evaluate import evaluate
 from offline_eval.jobs import run_parallel, training_groups
-from offline_eval.metrics import METRIC_KEYS, metrics_from_ranks
+from offline_eval.metrics import METRIC_KEYS
 from offline_eval.models_registry import (
     DEFAULT_MODELS,
     available_models,
@@ -31,9 +29,16 @@ from offline_eval.models_registry import (
     model_factory,
 )
 from offline_eval.ranks import RANKS_DIR, ranks_filename, save_ranks
-from offline_eval.results import Unit, aggregate_seeds, available, combine_runs, paired_intervals
+from offline_eval.results import (
+    Unit,
+    aggregate_seeds,
+    available,
+    combine_runs,
+    paired_intervals,
+    position_table,
+)
 from offline_eval.split import TimeSplit, load_or_build_split
-from offline_eval.strata import STRATA, position_bucket_labels, position_buckets
+from offline_eval.strata import STRATA
 
 if TYPE_CHECKING:
     from recmem.config import Config
@@ -117,20 +122,6 @@ def _empty_entry(reason: str) -> dict[str, Any]:
         train_seconds=None, eval_seconds=None, config={"available": False, "reason": reason}
     )
     return entry
-
-
-def position_table(per_target: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
-    """NDCG@10 (and mean loss, when given) per event-position bucket of the targets."""
-    bucket = position_buckets(per_target["positions"])
-    table: dict[str, dict[str, Any]] = {}
-    for b, label in enumerate(position_bucket_labels()):
-        sel = bucket == b
-        m = metrics_from_ranks(per_target["ranks"][sel])
-        row: dict[str, Any] = {"n": m["n"], "ndcg@10": m["ndcg@10"], "hr@10": m["hr@10"]}
-        if "loss" in per_target:
-            row["loss"] = float(per_target["loss"][sel].mean()) if sel.any() else None
-        table[label] = row
-    return table
 
 
 def split_summary(split: TimeSplit, test: dict[str, Any]) -> dict[str, Any]:
@@ -287,7 +278,12 @@ def run_eval(
     else:
         for seed, group in groups:
             for spec in group:
-                units[spec].append(_evaluate_unit(spec, seed, seeded_config(cfg, seed), split, out))
+                try:
+                    unit = _evaluate_unit(spec, seed, seeded_config(cfg, seed), split, out)
+                except FloatingPointError as e:  # a diverged training fails its model only
+                    log.error("model %s (seed %s): %s", spec, seed, e)
+                    unit = {**_empty_entry(str(e)), "seed": seed}
+                units[spec].append(unit)
     run: dict[str, Any] = {"jobs": jobs, "wall_seconds": time.perf_counter() - t_run}
     if seeds is not None:
         run["seeds"] = seeds

@@ -3,6 +3,8 @@ stopping keeps the best weights, segments carry the state exactly."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -123,6 +125,43 @@ def test_fit_counts_validations_not_epochs() -> None:
     assert torch.equal(model.weight, torch.full((1, 2), 6.0))  # the weights after step 6
     assert epoch.lrs[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert epoch.lrs[11] == 1.0 and epoch.lrs[12] == 0.5  # decayed at validation 4 (step 12)
+
+
+class DivergingEpoch(StepEpoch):
+    """StepEpoch whose loss turns NaN from step ``bad_from`` (1-based) on."""
+
+    def __init__(self, model: torch.nn.Linear, steps: int, bad_from: int) -> None:
+        super().__init__(model, steps)
+        self.bad_from, self.done = bad_from, 0
+
+    def __call__(self, epoch: int, control: TrainControl) -> float:
+        for _ in range(self.steps):
+            control.before_step()
+            self.done += 1
+            with torch.no_grad():
+                self.model.weight.add_(1.0)
+            loss = math.nan if self.done >= self.bad_from else 1.0
+            if control.after_step(torch.tensor(loss), 1):
+                break
+        return 1.0
+
+
+def test_fit_stops_when_the_loss_diverges() -> None:
+    """A NaN training loss stops training at the next validation with the best validated
+    weights, never validating the diverged ones; with none validated yet, training fails."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    calls: list[int] = []
+    tcfg = TrainConfig(epochs=50, eval_every=3, patience=5, warmup_steps=0)
+    valid = lambda: calls.append(1) or {"ndcg@10": float(len(calls))}  # noqa: E731
+    result = fit(model, DivergingEpoch(model, steps=4, bad_from=8), tcfg, valid)
+    assert result.stopped == "diverged" and len(calls) == 2  # steps 3 and 6 validated
+    assert result.best_step == 6 and result.steps == 9
+    assert torch.equal(model.weight, torch.full((1, 2), 6.0))
+    assert not math.isfinite(result.history[-1]["train_loss"])
+    with pytest.raises(FloatingPointError, match="diverged .* at step 3, before any validation"):
+        fit(model, DivergingEpoch(model, steps=4, bad_from=1), tcfg, valid)
 
 
 def test_fit_validates_the_last_steps_once() -> None:

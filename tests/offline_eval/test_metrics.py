@@ -26,6 +26,25 @@ def test_ranks_count_strictly_greater_and_respect_exclusions() -> None:
     assert target_ranks(scores.clone(), targets).tolist() == [2, 0, 3, 0]
 
 
+def test_nan_scores_never_look_like_a_good_ranking() -> None:
+    """A diverged model (NaN scores) once got NDCG@10 = 1.0: NaN compared as not greater."""
+    nan = math.nan
+    scores = torch.tensor(
+        [
+            [nan, nan, nan, nan],  # all NaN -> the target ranks below every item
+            [0.9, nan, 0.1, 0.5],  # target 3 (0.5): 0.9 and the NaN item are above -> rank 2
+            [0.1, 0.3, nan, 0.2],  # NaN target -> last, exclusions or not
+            [0.2, 0.2, 0.2, 0.2],  # ties still count in the target's favour
+        ]
+    )
+    targets = torch.tensor([0, 3, 2, 1])
+    assert target_ranks(scores.clone(), targets).tolist() == [4, 2, 4, 0]
+    exclude = torch.zeros(4, 4, dtype=torch.bool)
+    exclude[1, 1] = exclude[2, 0] = True  # an excluded NaN item does not count
+    assert target_ranks(scores.clone(), targets, exclude).tolist() == [4, 1, 4, 0]
+    assert metrics_from_ranks(np.array([4, 2, 4, 0]) + 60)["ndcg@10"] == 0.0
+
+
 def test_metrics_hand_computed() -> None:
     ranks = np.array([0, 1, 9, 10, 49, 50])
     m = metrics_from_ranks(ranks)

@@ -364,3 +364,24 @@ def test_missing_package_reason() -> None:
     )
     own = ModuleNotFoundError("No module named 'recmem.nosuch'", name="recmem.nosuch")
     assert "cannot be imported" in models_registry.missing_package_reason("m", own)
+
+
+def test_a_diverged_training_fails_its_model_only(tmp_path: Path) -> None:
+    """Serial evaluation: a model whose training diverges (models.train raises
+    FloatingPointError) is reported not available with the reason; the others stand."""
+
+    def diverges(s: TimeSplit, c: Config) -> tuple[object, float, dict[str, object]]:
+        raise FloatingPointError("training diverged (loss nan) at step 3, before any validation")
+
+    models_registry.register_model("diverges", diverges)
+    try:
+        dataset = write_long_history_csv(tmp_path / "events.csv")
+        cfg = load_config(None, [f"data.cache_dir={tmp_path / 'cache'}"])
+        summary = runner.run_eval(cfg, dataset, ["pop", "diverges"], tmp_path / "o")
+    finally:
+        models_registry._MODELS.pop("diverges")
+    assert summary["models"]["pop"]["overall"]["n"] > 0
+    failed = summary["models"]["diverges"]
+    assert failed["config"]["available"] is False
+    assert "diverged" in failed["config"]["reason"]
+    assert "diverged" in (tmp_path / "o" / "report.md").read_text()
