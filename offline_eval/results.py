@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from offline_eval.metrics import metrics_from_ranks
 from offline_eval.ranks import RANKS_DIR, load_ranks, ranks_filename
 from offline_eval.stats import (
     BOOTSTRAP_CONFIDENCE,
@@ -26,7 +27,7 @@ from offline_eval.stats import (
     paired_bootstrap,
     spread,
 )
-from offline_eval.strata import POSITION_BUCKETS, STRATA, position_bucket_labels
+from offline_eval.strata import POSITION_BUCKETS, STRATA, position_bucket_labels, position_buckets
 
 Unit = dict[str, Any]
 
@@ -202,6 +203,20 @@ def _per_target_ndcg(
     return rows, ndcg, masks
 
 
+def position_table(per_target: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    """NDCG@10 (and mean loss, when given) per event-position bucket of the targets."""
+    bucket = position_buckets(per_target["positions"])
+    table: dict[str, dict[str, Any]] = {}
+    for b, label in enumerate(position_bucket_labels()):
+        sel = bucket == b
+        m = metrics_from_ranks(per_target["ranks"][sel])
+        row: dict[str, Any] = {"n": m["n"], "ndcg@10": m["ndcg@10"], "hr@10": m["hr@10"]}
+        if "loss" in per_target:
+            row["loss"] = float(per_target["loss"][sel].mean()) if sel.any() else None
+        table[label] = row
+    return table
+
+
 def combine_runs(
     run_dirs: list[Path], out: Path, models: list[str] | None = None
 ) -> tuple[dict[str, Any], dict[str, list[Unit]], dict[str, dict[str, Any]]]:
@@ -209,26 +224,48 @@ def combine_runs(
     model, entries of models that were not available). Units of one model from several runs
     are its seeds (e.g. one run per seed); a later run's unit replaces an earlier one with the
     same seed. Their ranks files are copied into ``out/ranks``. ``models`` picks and orders
-    the models (default: all, in the order first seen)."""
+    the models (default: all, in the order first seen).
+
+    A run stopped before it wrote ``summary.json`` (a time limit, a lost machine) still
+    gives the models it finished: each ranks file under its ``ranks/`` (or a worker's
+    ``jobs/*/ranks/``) becomes a unit rebuilt from the file (:func:`unit_from_ranks`). At
+    least one run must be complete: its summary names the split the others must match."""
     if not run_dirs:
         raise ValueError("no runs to combine")
-    base: dict[str, Any] | None = None
+    complete = [Path(d) for d in run_dirs if (Path(d) / "summary.json").is_file()]
+    if not complete:
+        raise ValueError(
+            f"{run_dirs[0]}/summary.json not found: not an evaluation run directory (runs "
+            "without summary.json are recovered from their ranks files only beside a complete run)"
+        )
+    base: dict[str, Any] = json.loads((complete[0] / "summary.json").read_text())
     units: dict[str, dict[Any, Unit]] = {}
     unavailable: dict[str, dict[str, Any]] = {}
-    for d in run_dirs:
-        path = Path(d) / "summary.json"
+    for d in map(Path, run_dirs):
+        path = d / "summary.json"
         if not path.is_file():
-            raise ValueError(f"{path} not found: not an evaluation run directory")
+            files = sorted(d.glob(f"{RANKS_DIR}/*.npz")) + sorted(
+                d.glob(f"jobs/*/{RANKS_DIR}/*.npz")
+            )
+            if not files:
+                raise ValueError(
+                    f"{d}: neither summary.json nor ranks files: not an evaluation run"
+                )
+            for f in files:
+                unit = unit_from_ranks(f, base["dataset"])
+                unit["ranks"] = _copy_ranks(
+                    f.parent.parent, f"{RANKS_DIR}/{f.name}", out, unit["label"], unit["seed"]
+                )
+                units.setdefault(unit.pop("label"), {})[unit["seed"]] = unit
+            continue
         s = json.loads(path.read_text())
-        if base is None:
-            base = s
-        elif (s["dataset"], s["split"]) != (base["dataset"], base["split"]):
+        if (s["dataset"], s["split"]) != (base["dataset"], base["split"]):
             raise ValueError(
-                f"{path}: dataset or split differs from {run_dirs[0]}: "
+                f"{path}: dataset or split differs from {complete[0]}: "
                 f"{s['dataset']} {s['split']} vs {base['dataset']} {base['split']}"
             )
-        by_position = _load(Path(d) / "by_position.json")
-        planted = _load(Path(d) / "planted.json")
+        by_position = _load(d / "by_position.json")
+        planted = _load(d / "planted.json")
         for name, entry in s["models"].items():
             if not available(entry):
                 unavailable[name] = entry
@@ -236,9 +273,8 @@ def combine_runs(
                 continue
             for unit in units_of(entry, by_position.get(name), planted.get(name)):
                 if unit["ranks"]:
-                    unit["ranks"] = _copy_ranks(Path(d), unit["ranks"], out, name, unit["seed"])
+                    unit["ranks"] = _copy_ranks(d, unit["ranks"], out, name, unit["seed"])
                 units.setdefault(name, {})[unit["seed"]] = unit
-    assert base is not None
     if models is not None:
         missing = [m for m in models if m not in units]
         if missing:
@@ -248,6 +284,40 @@ def combine_runs(
     summary["combined_from"] = [str(d) for d in run_dirs]
     picked_unavailable = {m: e for m, e in unavailable.items() if m in units and not units[m]}
     return summary, {m: list(u.values()) for m, u in units.items()}, picked_unavailable
+
+
+def unit_from_ranks(path: Path, dataset: str) -> Unit:
+    """The unit (plus its ``label``) of one ranks file, for a run that never wrote its
+    summary: the TEST metrics overall, per stratum and per position bucket are recomputed
+    from the per-target ranks; the configuration is only what the label says (its overrides),
+    and the training and evaluation times are unknown (None). Raises ValueError for a file
+    of another dataset."""
+    r = load_ranks(path)
+    if r["dataset"] != dataset:
+        raise ValueError(f"{path}: ranks of dataset {r['dataset']!r}, the runs are {dataset!r}")
+    label = r["label"]
+    name, _, rest = label.partition("[")
+    unit: Unit = {"overall": metrics_from_ranks(r["ranks"])}
+    unit.update({s: metrics_from_ranks(r["ranks"][r[f"is_{s}"]]) for s in STRATA})
+    config: dict[str, Any] = {
+        "kind": "memory" if name.startswith("memory") else name,
+        "recovered": f"from {path.name}: the run stopped before its summary",
+    }
+    overrides = [o.strip() for o in rest.rstrip("]").split(";") if o.strip()]
+    if overrides:
+        config["overrides"] = overrides
+    per_target = {"positions": r["positions"], "ranks": r["ranks"]}
+    if not np.isnan(r["loss"]).all():
+        per_target["loss"] = r["loss"]
+    unit.update(
+        label=label,
+        seed=r["seed"],
+        train_seconds=None,
+        eval_seconds=None,
+        config=config,
+        by_position=position_table(per_target),
+    )
+    return unit
 
 
 def _copy_ranks(run: Path, rel: str, out: Path, label: str, seed: int | None) -> str:

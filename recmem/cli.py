@@ -68,6 +68,7 @@ def _parse_seeds(text: str) -> list[int]:
 
 
 def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
+    from offline_eval.results import available
     from offline_eval.runner import DEFAULT_MODELS, parse_models, run_eval
 
     dataset = args.dataset or cfg.data.dataset
@@ -99,7 +100,7 @@ def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     print(f"{summary['dataset']}: {sp['n_test_targets']} TEST targets")
     for name, entry in summary["models"].items():
         o = entry["overall"]
-        if entry["train_seconds"] is None:
+        if not available(entry):
             print(f"  {name:26s} not available: {entry['config'].get('reason', '')}")
         else:
             seeds = entry.get("seeds", [])

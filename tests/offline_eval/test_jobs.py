@@ -177,3 +177,38 @@ def test_from_runs_merges_one_run_per_seed(tmp_path: Path) -> None:
     assert m2["models"]["noisy-pop"]["seeds"] == [0, 1]  # from the recorded train.seed
     assert m2["intervals"]["no_ranks"] == ["noisy-pop"]
     assert "Without saved ranks" in (tmp_path / "m2" / "report.md").read_text()
+
+
+@pytest.mark.usefixtures("probe_models")
+def test_from_runs_recovers_a_stopped_run_from_its_ranks_files(tmp_path: Path) -> None:
+    dataset = write_long_history_csv(tmp_path / "events.csv")
+    base = ["eval", "--dataset", dataset, "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    models = ["--models", "pop,noisy-pop"]
+    assert main([*base, *models, "--out", str(tmp_path / "s0")]) == 0
+    assert main([*base, *models, "--set", "train.seed=1", "--out", str(tmp_path / "s1")]) == 0
+    assert main(["eval", "--from-runs", f"{tmp_path / 's0'},{tmp_path / 's1'}",
+                 "--out", str(tmp_path / "whole")]) == 0  # fmt: skip
+    # s1 stopped before its summary, and its worker's ranks are one folder down
+    for name in ("summary.json", "by_position.json", "report.md"):
+        (tmp_path / "s1" / name).unlink()
+    (tmp_path / "s1" / "jobs" / "0").mkdir(parents=True)
+    (tmp_path / "s1" / "ranks").rename(tmp_path / "s1" / "jobs" / "0" / "ranks")
+    out = tmp_path / "recovered"
+    assert main(["eval", "--from-runs", f"{tmp_path / 's0'},{tmp_path / 's1'}",
+                 "--out", str(out)]) == 0  # fmt: skip
+    got = json.loads((out / "summary.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    noisy, ref = got["models"]["noisy-pop"], whole["models"]["noisy-pop"]
+    assert noisy["seeds"] == [0, 1]
+    for group in ("overall", "recent", "long_term", "new"):
+        assert noisy[group] == pytest.approx(ref[group])
+    for group, row in ref["spread"].items():
+        assert noisy["spread"][group] == pytest.approx(row)
+    assert json.dumps(got["intervals"]["models"]) == json.dumps(whole["intervals"]["models"])
+    assert "recovered" in noisy["per_seed"]["1"]["config"]
+    assert noisy["per_seed"]["1"]["train_seconds"] is None
+    # ranks files alone name no split: a complete run must be among the runs
+    with pytest.raises(ValueError, match="only beside a complete run"):
+        combine_runs([tmp_path / "s1"], tmp_path / "x")
+    with pytest.raises(ValueError, match="neither summary.json nor ranks files"):
+        combine_runs([tmp_path / "s0", tmp_path / "cache"], tmp_path / "x")
