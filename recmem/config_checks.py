@@ -106,6 +106,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kafka.on_offset_out_of_range": ("fail", "earliest", "latest"),
     "kafka.security_protocol": ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     "kafka.sasl_mechanism": ("", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"),
+    "kafka.assignor": ("cooperative-sticky", "range", "roundrobin"),
 }
 """``section.field`` -> its allowed values. ``memory.backend``, ``memory.train_backend``,
 ``model.hybrid`` and ``model.request_time`` are checked against the code that implements
