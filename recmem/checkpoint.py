@@ -1,44 +1,57 @@
 """Checkpoints: the states of one Kafka partition's users, their archive notes and the next
 offset of that partition, written as one unit (like a Kafka Streams task's state store,
-changelog and input offsets).
+changelog and input offsets), in a directory or an object store (recmem/blobstore.py).
 
-Layout under the checkpoint root, one directory per partition::
+Layout under the checkpoint root (``<checkpoint.dir>/<topic>/<group>``), one prefix per
+partition::
 
-    p-00003/MANIFEST.json        names the complete checkpoints, newest first
-    p-00003/ckpt-000000000042/   meta.json (offset, kind, parent, CRCs), users.json,
-                                 state.*.bin, notes.*.npy
-    p-00003/.tmp-...             a checkpoint being written (never read)
+    p-00003/MANIFEST.json                 names the complete checkpoints, newest first, and
+                                          the partition's fence (the owner's generation)
+    p-00003/ckpt-000000000042-g7-1f2e3d/  meta.json (offset, kind, parent, generation,
+                                          CRCs), users.json, state.*.bin, notes.*.npy
+    p-00003/fence-000000000007.json       one per claim, never replaced
 
 A checkpoint is full (every user of the partition) or a delta (only the users that changed
 since its parent, an earlier checkpoint); restoring a delta reads its chain back to the last
 full one, later states winning. The manifest keeps the newest ``keep`` restore points and
 every checkpoint their chains need.
 
-A checkpoint is written into a temporary directory, every file and the directory are
-fsynced, the directory is renamed into place, and then the manifest is replaced atomically.
-A crash at any point leaves the previous manifest naming only complete checkpoints. Every
-file carries a CRC32 in meta.json; a checkpoint that fails its checks is skipped with a
-warning and the previous one is used.
+Files are written (and fsynced) under a fresh name, ``meta.json`` last; then the manifest is
+replaced, which is the commit. A crash at any point leaves the previous manifest naming only
+complete checkpoints. Every file carries a CRC32 in meta.json; a checkpoint that fails its
+checks is skipped with a warning and the previous one is used.
+
+Fencing. A member that is given a partition by the group first *claims* it with its group
+generation (``claim``): a create-only fence object and, conditionally, the manifest's
+fence. Every later write carries the writer's generation and commits only if no newer
+claim exists, through a conditional replace of the manifest (S3 ``If-Match``; a lock in a
+directory): an owner that was paused (SIGSTOP, a long GC, a network partition) and resumed
+after the group gave its partitions to another member is refused at write time
+(``Fenced``). Where a store cannot write conditionally, a restore ignores every checkpoint
+written by an older generation after the newest claim (it names the checkpoint it started
+from), so a stale owner's write is never the restore point.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import os
 import re
-import shutil
 import time
+import uuid
 import zlib
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 import numpy as np
 import torch
 
 from models.state import MemoryState
+from recmem.blobstore import Blobs, DirBlobs, S3Settings, WriteConflict, open_blobs
 from recmem.config import Config
 from recmem.state_store import StateLayout, state_from_numpy, state_to_numpy
 
@@ -49,6 +62,13 @@ FORMAT_VERSION = 2
 source topic's identity; 1 (a config hash only) is refused."""
 MANIFEST = "MANIFEST.json"
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
+_CKPT = re.compile(r"^ckpt-(\d+)(?:-g(-?\d+)-[0-9a-f]+)?$")
+_FENCE = re.compile(r"^fence-(\d+)\.json$")
+NO_GENERATION = -1
+"""The generation of a writer outside any consumer group (tests, tools): never fenced by
+one, refused once a group member has claimed the partition."""
+FENCES_KEPT = 3
+COMMIT_ATTEMPTS = 5
 
 RUNTIME_ONLY = {
     "memory": ("backend", "chunk_size"),
@@ -76,6 +96,18 @@ def data_settings(cfg: Config) -> dict[str, Any]:
     return out
 
 
+def checkpoint_root(base: str, topic: str, group_id: str) -> str:
+    """Where a group's checkpoints of ``topic`` live under ``checkpoint.dir`` (a directory or
+    an s3:// location): ``<base>/<topic>/<group id>``, like Kafka Streams' state directory
+    per application id. Two groups on one topic (two model versions) never share one."""
+    from urllib.parse import quote
+
+    group = quote(group_id, safe="-_.")
+    if base.startswith("s3://"):
+        return f"{base.rstrip('/')}/{topic}/{group}"
+    return os.fspath(Path(base).expanduser() / topic / group)
+
+
 def settings_diff(stored: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     """Human-readable differences ``name: checkpoint X, this service Y``."""
     names = sorted(set(stored) | set(ours))
@@ -91,8 +123,62 @@ class CheckpointError(ValueError):
 
 
 class IncompatibleCheckpoint(CheckpointError):
-    """A complete checkpoint this service must not continue: another format or other
-    settings. Never skipped silently (an older restore point would have the same problem)."""
+    """A complete checkpoint this service must not continue: another format, other
+    settings or another model version. Never skipped silently (an older restore point would
+    have the same problem)."""
+
+
+class Fenced(RuntimeError):
+    """A later group generation claimed the partition: this writer no longer owns it."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The newest claim of a partition: the claimant's group generation, who it was, and
+    the checkpoint it started from (None: there was none)."""
+
+    generation: int = NO_GENERATION
+    owner: str = ""
+    base: str | None = None
+    claimed_unix: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "owner": self.owner,
+            "base": self.base,
+            "claimed_unix": self.claimed_unix,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Fence:
+        if not isinstance(raw, dict):
+            return cls()
+        base = raw.get("base")
+        return cls(
+            int(raw.get("generation", NO_GENERATION)),
+            str(raw.get("owner", "")),
+            base if isinstance(base, str) and _NAME_OK.match(base) else None,
+            float(raw.get("claimed_unix", 0.0)),
+        )
+
+
+def _seq(name: str) -> int:
+    m = _CKPT.match(name)
+    return int(m.group(1)) if m else -1
+
+
+def _generation(name: str) -> int:
+    """The writer's generation in a checkpoint's name (NO_GENERATION for the older names)."""
+    m = _CKPT.match(name)
+    return int(m.group(2)) if m and m.group(2) is not None else NO_GENERATION
+
+
+def _stale(name: str, fence: Fence) -> bool:
+    """Written by an older generation after ``fence``'s claim (it cannot be the restore
+    point: the claimant did not start from it)."""
+    base = _seq(fence.base) if fence.base else 0
+    return _generation(name) < fence.generation and _seq(name) > base
 
 
 @dataclass
@@ -111,15 +197,18 @@ class PartitionCheckpoint:
     model_version: str
     settings: dict[str, Any]
     seq: int
-    path: Path
+    path: PurePath
     chain: list[str]
     source: dict[str, Any]
     """What the newest checkpoint recorded about its source (topic id, last record)."""
+    generation: int = NO_GENERATION
+    """The group generation of the owner that wrote the newest checkpoint."""
+    bytes_read: int = 0
 
 
 @dataclass
 class _Loaded:
-    """One verified checkpoint directory, as written."""
+    """One verified checkpoint, as written."""
 
     partition: int
     next_offset: int
@@ -129,28 +218,20 @@ class _Loaded:
     model_version: str
     settings: dict[str, Any]
     seq: int
-    path: Path
+    path: PurePath
     parent: str | None
     source: dict[str, Any]
+    generation: int
+    nbytes: int
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes | memoryview) -> dict[str, int]:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return {
-        "bytes": len(data) if isinstance(data, bytes) else data.nbytes,
-        "crc32": zlib.crc32(data),
-    }
+@dataclass
+class _Manifest:
+    names: list[str] = field(default_factory=list)
+    fence: Fence = field(default_factory=Fence)
+    tag: str | None = None
+    """The stored object's tag for a conditional replace (None: there is none)."""
+    readable: bool = True
 
 
 def _npy_bytes(arr: np.ndarray) -> bytes:
@@ -159,51 +240,147 @@ def _npy_bytes(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-class CheckpointStore:
-    """Writes and restores per-partition checkpoints under ``root``; keeps the newest ``keep``."""
+def _info(data: bytes | memoryview) -> dict[str, int]:
+    return {
+        "bytes": len(data) if isinstance(data, bytes) else data.nbytes,
+        "crc32": zlib.crc32(data),
+    }
 
-    def __init__(self, root: str | os.PathLike[str], layout: StateLayout, keep: int = 3) -> None:
+
+class CheckpointStore:
+    """Writes and restores per-partition checkpoints under ``root`` (a directory, an
+    ``s3://bucket/prefix`` location or a Blobs); keeps the newest ``keep``."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | Blobs,
+        layout: StateLayout,
+        keep: int = 3,
+        *,
+        s3: S3Settings | None = None,
+        conditional: bool = True,
+    ) -> None:
         if keep < 1:
             raise ValueError("checkpoint.keep must be >= 1")
-        self.root = Path(root)
+        if isinstance(root, str | os.PathLike):
+            self.blobs = open_blobs(os.fspath(root), s3, conditional)
+        else:
+            self.blobs = root
         self.layout = layout
         self.keep = keep
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.bytes_written = 0
+        """Bytes of checkpoint files written by this object (figures, benchmarks)."""
 
-    def _pdir(self, partition: int) -> Path:
-        return self.root / f"p-{partition:05d}"
+    @property
+    def location(self) -> str:
+        return self.blobs.describe()
 
-    # ---- manifest ----------------------------------------------------------------------
+    def _pdir(self, partition: int) -> str:
+        return f"p-{partition:05d}"
 
-    def _manifest(self, partition: int) -> list[str]:
-        path = self._pdir(partition) / MANIFEST
-        if not path.exists():
-            return []
+    def _path(self, key: str) -> PurePath:
+        if isinstance(self.blobs, DirBlobs):
+            return self.blobs.path(key)
+        return PurePosixPath(self.blobs.describe(key))
+
+    # ---- manifest and fences -----------------------------------------------------------
+
+    def _read_manifest(self, partition: int) -> _Manifest:
+        pdir = self._pdir(partition)
+        got = self.blobs.get_tagged(f"{pdir}/{MANIFEST}")
+        if got is None:
+            return _Manifest()
+        data, tag = got
         try:
-            names = json.loads(path.read_text())["checkpoints"]
+            raw = json.loads(data)
+            names = raw["checkpoints"]
             if not all(isinstance(n, str) and _NAME_OK.match(n) for n in names):
                 raise ValueError("bad checkpoint name")
-            return list(names)
+            return _Manifest(list(names), Fence.from_json(raw.get("fence")), tag)
         except (ValueError, KeyError, TypeError) as e:
             log.warning(
-                "partition %d: unreadable manifest (%s); scanning directories", partition, e
+                "partition %d: unreadable manifest (%s); scanning checkpoints", partition, e
             )
-            return sorted((d.name for d in self._pdir(partition).glob("ckpt-*")), reverse=True)
+            names = sorted(
+                (n for n in self.blobs.children(pdir) if _CKPT.match(n)), key=_seq, reverse=True
+            )
+            return _Manifest(names, Fence(), tag, readable=False)
 
-    def _write_manifest(self, partition: int, names: list[str]) -> None:
+    def _manifest(self, partition: int) -> list[str]:
+        return self._read_manifest(partition).names
+
+    def _fence_objects(self, partition: int) -> list[tuple[int, str]]:
+        """(generation, name) of the partition's fence objects, oldest first."""
+        found = []
+        for name in self.blobs.children(self._pdir(partition)):
+            m = _FENCE.match(name)
+            if m:
+                found.append((int(m.group(1)), name))
+        return sorted(found)
+
+    def fence(self, partition: int, manifest: _Manifest | None = None) -> Fence:
+        """The partition's newest claim: the manifest's, or a newer fence object (written
+        even where the manifest could not be replaced conditionally)."""
+        manifest = manifest or self._read_manifest(partition)
+        best = manifest.fence
+        objects = self._fence_objects(partition)
+        if objects and objects[-1][0] > best.generation:
+            gen, name = objects[-1]
+            try:
+                raw = json.loads(self.blobs.get(f"{self._pdir(partition)}/{name}"))
+                best = Fence.from_json(raw)
+            except (OSError, ValueError):
+                best = Fence(gen)  # a broken claim still fences its generation
+            if best.generation != gen:
+                best = Fence(gen, best.owner, best.base, best.claimed_unix)
+        return best
+
+    def _put_manifest(
+        self, partition: int, names: list[str], fence: Fence, tag: str | None
+    ) -> None:
+        body = json.dumps(
+            {"partition": partition, "checkpoints": names, "fence": fence.to_json()}, indent=1
+        ).encode()
+        self.blobs.put_if(f"{self._pdir(partition)}/{MANIFEST}", body, tag)
+
+    def claim(self, partition: int, generation: int, owner: str = "") -> Fence:
+        """Record that the owner of group generation ``generation`` took ``partition`` over
+        (before it restores): every writer of an older generation is refused from now on.
+        Raises Fenced when a newer generation claimed it already (this member is stale)."""
         pdir = self._pdir(partition)
-        tmp = pdir / f".{MANIFEST}.{os.getpid()}.tmp"
-        body = json.dumps({"partition": partition, "checkpoints": names}, indent=1).encode()
-        _write_file(tmp, body)
-        os.replace(tmp, pdir / MANIFEST)
-        _fsync_dir(pdir)
+        for _ in range(COMMIT_ATTEMPTS):
+            with self.blobs.exclusive(pdir):
+                manifest = self._read_manifest(partition)
+                current = self.fence(partition, manifest)
+                if current.generation > generation:
+                    raise Fenced(
+                        f"partition {partition}: claimed by generation {current.generation} "
+                        f"({current.owner or 'unknown'}); this member holds {generation}"
+                    )
+                base = next((n for n in manifest.names if not _stale(n, current)), None)
+                fence = Fence(generation, owner, base, time.time())
+                key = f"{pdir}/fence-{generation:012d}.json"
+                # (exists already after a retry of this generation's claim: the manifest decides)
+                with contextlib.suppress(WriteConflict):
+                    self.blobs.put_if(key, json.dumps(fence.to_json()).encode(), None)
+                try:
+                    self._put_manifest(partition, manifest.names, fence, manifest.tag)
+                except WriteConflict:
+                    continue  # a write landed in between: read again
+            for gen, name in self._fence_objects(partition)[:-FENCES_KEPT]:
+                if gen < generation:
+                    self.blobs.delete_tree(f"{pdir}/{name}")
+            log.debug("partition %d: claimed by generation %d (%s)", partition, generation, owner)
+            return fence
+        raise WriteConflict(f"partition {partition}: the manifest kept changing during a claim")
 
     def partitions(self) -> list[int]:
         """Partitions that have a manifest."""
         out = []
-        for d in self.root.glob("p-*"):
-            if (d / MANIFEST).exists():
-                out.append(int(d.name[2:]))
+        for name in self.blobs.children(""):
+            manifest = f"{name}/{MANIFEST}"
+            if name[:2] == "p-" and name[2:].isdigit() and self.blobs.get_tagged(manifest):
+                out.append(int(name[2:]))
         return sorted(out)
 
     # ---- write -------------------------------------------------------------------------
@@ -220,37 +397,80 @@ class CheckpointStore:
         notes: dict[str, np.ndarray] | None = None,
         parent: str | None = None,
         source: dict[str, Any] | None = None,
-    ) -> Path:
+        generation: int = NO_GENERATION,
+        owner: str = "",
+    ) -> PurePath:
         """Write one checkpoint of ``partition`` and make it the newest. Without ``parent``
         it is full (every user of the partition); with ``parent`` (the name of an earlier
         checkpoint of this partition) it is a delta holding only the users that changed
         since ``parent``, and restoring it reads the chain back to the last full one.
         ``settings``: ``data_settings`` of the writer; ``source``: what identifies the
-        records the offset points into (``topic_id``, ``last_record``)."""
+        records the offset points into (``topic_id``, ``last_record``); ``generation``:
+        the writer's group generation. Raises Fenced (and leaves nothing behind) when a
+        newer generation claimed the partition."""
+        pdir = self._pdir(partition)
         if parent is not None and not (
-            _NAME_OK.match(parent) and (self._pdir(partition) / parent / "meta.json").exists()
+            _NAME_OK.match(parent) and self.blobs.get_tagged(f"{pdir}/{parent}/meta.json")
         ):
             raise ValueError(f"partition {partition}: parent checkpoint {parent!r} does not exist")
         if int(state.pos.shape[0]) != len(user_ids):
             raise ValueError(f"{len(user_ids)} user ids but {state.pos.shape[0]} states")
-        pdir = self._pdir(partition)
-        pdir.mkdir(parents=True, exist_ok=True)
-        names = self._manifest(partition)
-        existing = [int(n.split("-")[1]) for n in names]
-        existing += [int(d.name.split("-")[1]) for d in pdir.glob("ckpt-*")]
-        seq = max(existing, default=0) + 1
-        final = pdir / f"ckpt-{seq:012d}"
-        tmp = pdir / f".tmp-ckpt-{seq:012d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        files: dict[str, dict[str, int]] = {}
-        files["users.json"] = _write_file(tmp / "users.json", json.dumps(user_ids).encode())
-        for name, arr in state_to_numpy(state).items():
-            files[f"state.{name}.bin"] = _write_file(tmp / f"state.{name}.bin", arr.data)
-        for name, arr in (notes or {}).items():
+        for name in notes or {}:
             if not _NAME_OK.match(name):
                 raise ValueError(f"note array name {name!r} is not a safe file name")
-            files[f"notes.{name}.npy"] = _write_file(tmp / f"notes.{name}.npy", _npy_bytes(arr))
+        existing = self.blobs.children(pdir)
+        seq = max((_seq(n) for n in existing + self._manifest(partition)), default=0)
+        seq = max(seq, 0) + 1
+        name = f"ckpt-{seq:012d}-g{generation}-{uuid.uuid4().hex[:6]}"
+        prefix = f"{pdir}/{name}"
+        try:
+            self._write_files(prefix, partition, seq, user_ids, state, next_offset,
+                              model_version, settings, notes, parent, source, generation,
+                              owner)  # fmt: skip
+            keep = self._commit(partition, name, generation)
+        except BaseException:
+            self.blobs.delete_tree(prefix)
+            raise
+        # older checkpoints, leftovers of crashed writes, refused writes: never anything a
+        # newer generation wrote (it may be writing now)
+        for child in self.blobs.children(pdir):
+            leftover = _CKPT.match(child) or child.startswith(".tmp-")
+            if leftover and child not in keep and _generation(child) <= generation:
+                self.blobs.delete_tree(f"{pdir}/{child}")
+        log.debug(
+            "partition %d: checkpoint %s, %d users, offset %d",
+            partition, name, len(user_ids), next_offset,
+        )  # fmt: skip
+        return self._path(prefix)
+
+    def _write_files(
+        self,
+        prefix: str,
+        partition: int,
+        seq: int,
+        user_ids: list[str],
+        state: MemoryState,
+        next_offset: int,
+        model_version: str,
+        settings: dict[str, Any],
+        notes: dict[str, np.ndarray] | None,
+        parent: str | None,
+        source: dict[str, Any] | None,
+        generation: int,
+        owner: str,
+    ) -> None:
+        files: dict[str, dict[str, int]] = {}
+
+        def put(fname: str, data: bytes | memoryview) -> None:
+            self.blobs.put(f"{prefix}/{fname}", data)
+            files[fname] = _info(data)
+            self.bytes_written += files[fname]["bytes"]
+
+        put("users.json", json.dumps(user_ids).encode())
+        for name, arr in state_to_numpy(state).items():
+            put(f"state.{name}.bin", arr.data)
+        for name, arr in (notes or {}).items():
+            put(f"notes.{name}.npy", _npy_bytes(arr))
         meta = {
             "format": FORMAT_VERSION,
             "partition": partition,
@@ -260,6 +480,8 @@ class CheckpointStore:
             "model_version": model_version,
             "settings": settings,
             "source": dict(source or {}),
+            "generation": generation,
+            "owner": owner,
             "layout": {
                 "n_layers": self.layout.n_layers,
                 "n_heads": self.layout.n_heads,
@@ -275,32 +497,43 @@ class CheckpointStore:
             "created_unix": time.time(),
             "files": files,
         }
-        _write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(pdir)
-        keep = self._retained(partition, [final.name] + [n for n in names if n != final.name])
-        self._write_manifest(partition, keep)
-        # older checkpoints, and leftovers of writes that crashed (this process owns p now)
-        for d in pdir.iterdir():
-            if d.is_dir() and d.name not in keep:
-                shutil.rmtree(d, ignore_errors=True)
-        log.debug(
-            "partition %d: checkpoint %s, %d users, offset %d",
-            partition,
-            final.name,
-            len(user_ids),
-            next_offset,
-        )
-        return final
+        self.blobs.put(f"{prefix}/meta.json", json.dumps(meta, indent=1).encode())
+        self.blobs.sync(prefix)
+
+    def _commit(self, partition: int, name: str, generation: int) -> set[str]:
+        """Make ``name`` the newest restore point, unless a newer generation claimed the
+        partition (Fenced). Returns what the manifest names now."""
+        pdir = self._pdir(partition)
+        for _ in range(COMMIT_ATTEMPTS):
+            with self.blobs.exclusive(pdir):
+                manifest = self._read_manifest(partition)
+                fence = self.fence(partition, manifest)
+                if fence.generation > generation:
+                    raise Fenced(
+                        f"partition {partition}: checkpoint of generation {generation} refused;"
+                        f" generation {fence.generation} ({fence.owner or 'unknown'}) owns it"
+                    )
+                names = [n for n in manifest.names if n != name]
+                keep = self._retained(partition, [name] + names)
+                try:
+                    self._put_manifest(partition, keep, fence, manifest.tag)
+                except WriteConflict:
+                    continue  # a claim or a write landed in between: check again
+                return set(keep)
+        raise WriteConflict(f"partition {partition}: the manifest kept changing during a write")
 
     # ---- read --------------------------------------------------------------------------
 
     def latest_offset(self, partition: int) -> int | None:
-        """The next offset of the newest checkpoint the manifest names (meta only, no verify)."""
-        for name in self._manifest(partition):
+        """The next offset of the newest checkpoint the manifest names that could be the
+        restore point (meta only, no verify)."""
+        manifest = self._read_manifest(partition)
+        fence = self.fence(partition, manifest)
+        for name in manifest.names:
+            if _stale(name, fence):
+                continue
             try:
-                meta = json.loads((self._pdir(partition) / name / "meta.json").read_text())
+                meta = json.loads(self.blobs.get(f"{self._pdir(partition)}/{name}/meta.json"))
                 return int(meta["next_offset"])
             except (OSError, ValueError, KeyError):
                 continue
@@ -308,7 +541,7 @@ class CheckpointStore:
 
     def _parent_of(self, partition: int, name: str) -> str | None:
         try:
-            meta = json.loads((self._pdir(partition) / name / "meta.json").read_text())
+            meta = json.loads(self.blobs.get(f"{self._pdir(partition)}/{name}/meta.json"))
         except (OSError, ValueError):
             return None
         parent = meta.get("parent")
@@ -323,16 +556,31 @@ class CheckpointStore:
             while cur is not None and cur not in keep:
                 keep.add(cur)
                 cur = self._parent_of(partition, cur)
-        return sorted(keep, reverse=True)
+        return sorted(keep, key=_seq, reverse=True)
 
     def restore(
-        self, partition: int, *, settings: dict[str, Any] | None = None
+        self,
+        partition: int,
+        *,
+        settings: dict[str, Any] | None = None,
+        model_version: str | None = None,
     ) -> PartitionCheckpoint | None:
         """The newest checkpoint of ``partition`` whose whole chain passes its checks, or
-        None if there is none. Corrupted ones are skipped with a warning. One of another
-        format, or written under other ``settings``, raises :class:`IncompatibleCheckpoint`
-        naming each setting that differs (its states mean something else)."""
-        for name in self._manifest(partition):
+        None if there is none. Corrupted ones are skipped with a warning, and so are those a
+        stale owner wrote after the partition's newest claim. One of another format, or
+        written under other ``settings`` or by another ``model_version``, raises
+        :class:`IncompatibleCheckpoint` naming what differs (its states mean something
+        else)."""
+        manifest = self._read_manifest(partition)
+        fence = self.fence(partition, manifest)
+        for name in manifest.names:
+            if _stale(name, fence):
+                log.warning(
+                    "partition %d: ignoring checkpoint %s: written by generation %d after "
+                    "generation %d claimed the partition (from %s)",
+                    partition, name, _generation(name), fence.generation, fence.base,
+                )  # fmt: skip
+                continue
             try:
                 chain = self._load_chain(partition, name)
             except IncompatibleCheckpoint:
@@ -351,7 +599,14 @@ class CheckpointStore:
                 raise IncompatibleCheckpoint(
                     f"partition {partition}: checkpoint {newest.path} was written under other "
                     f"settings ({'; '.join(diff)}); run with those settings, or move "
-                    f"{self.root} away to start fresh"
+                    f"{self.location} away to start fresh"
+                )
+            if model_version is not None and newest.model_version != model_version:
+                raise IncompatibleCheckpoint(
+                    f"partition {partition}: checkpoint {newest.path} was written by model "
+                    f"{newest.model_version}, this service serves {model_version}; a new model "
+                    "version needs a group of its own (kafka.group_id, e.g. "
+                    "'recmem-{model_version}'; docs/scaling.md, Rolling out a model)"
                 )
             return self._merge(chain)
         return None
@@ -361,7 +616,7 @@ class CheckpointStore:
         chain: list[_Loaded] = []
         cur: str | None = name
         while cur is not None:
-            ck = self._load(partition, self._pdir(partition) / cur)
+            ck = self._load(partition, f"{self._pdir(partition)}/{cur}")
             if chain and ck.seq >= chain[-1].seq:
                 raise CheckpointError(f"{cur} is not older than its child {chain[-1].path.name}")
             if chain and ck.settings != chain[-1].settings:
@@ -401,15 +656,18 @@ class CheckpointStore:
             path=newest.path,
             chain=[ck.path.name for ck in chain],
             source=newest.source,
+            generation=newest.generation,
+            bytes_read=sum(ck.nbytes for ck in chain),
         )
 
-    def _load(self, partition: int, path: Path) -> _Loaded:
-        meta = json.loads((path / "meta.json").read_text())
+    def _load(self, partition: int, prefix: str) -> _Loaded:
+        path = self._path(prefix)
+        meta = json.loads(self.blobs.get(f"{prefix}/meta.json"))
         if meta.get("format") != FORMAT_VERSION:
             raise IncompatibleCheckpoint(
                 f"{path}: checkpoint format {meta.get('format')!r}, this service reads "
                 f"{FORMAT_VERSION} (format 1 recorded a config hash only, not the settings "
-                f"and topic identity); move {self.root} away to start fresh"
+                f"and topic identity); move {self.location} away to start fresh"
             )
         if int(meta["partition"]) != partition:
             raise CheckpointError(f"belongs to partition {meta['partition']}")
@@ -417,7 +675,7 @@ class CheckpointStore:
         for fname, info in meta["files"].items():
             if not _NAME_OK.match(fname):
                 raise CheckpointError(f"bad file name {fname!r}")
-            data = (path / fname).read_bytes()
+            data = self.blobs.get(f"{prefix}/{fname}")
             if len(data) != info["bytes"] or zlib.crc32(data) != info["crc32"]:
                 raise CheckpointError(f"{fname} fails its size/CRC32 check")
             blobs[fname] = data
@@ -452,4 +710,6 @@ class CheckpointStore:
             path=path,
             parent=parent,
             source=dict(meta.get("source") or {}),
+            generation=int(meta.get("generation", NO_GENERATION)),
+            nbytes=sum(len(d) for d in blobs.values()),
         )

@@ -70,6 +70,7 @@ RANGES: dict[str, str] = {
     "checkpoint.interval_s": "[0, inf)",
     "checkpoint.keep": "[1, inf)",
     "checkpoint.full_every": "[0, inf)",
+    "checkpoint.restore_threads": "[1, inf)",
     "archive.chunk_events": "[1, inf)",
     "archive.window": "[1, inf)",
     "archive.spans_per_chunk": "[1, inf)",

@@ -56,12 +56,12 @@ from typing import Final, Protocol
 from streams.validate import ValidEvent
 
 
-class _Restoring:
+class Restoring:
     def __repr__(self) -> str:
         return "RESTORING"
 
 
-RESTORING: Final = _Restoring()
+RESTORING: Final = Restoring()
 """``on_assigned``'s answer for a partition the sink restores in the background."""
 
 
@@ -88,7 +88,7 @@ class SourceMarks:
 
 
 class BatchSink(Protocol):
-    def on_assigned(self, partitions: list[int]) -> Mapping[int, Resume | int | _Restoring]:
+    def on_assigned(self, partitions: list[int]) -> Mapping[int, Resume | int | Restoring]:
         """Partition -> where to resume, from the sink's checkpoint (missing = committed
         offset, else earliest), or RESTORING (then ``restored()`` gives it later)."""
         ...

@@ -20,6 +20,7 @@ from recmem.engine.builder import BuiltEngine, build_engine
 from recmem.ingest import KafkaIngest, register_gauges
 from recmem.server.app import RankServer
 from recmem.server.metrics import RankMetrics
+from streams.group import Member
 from streams.metrics import IngestMetrics
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,13 @@ class RecMemService:
             self.ingest = KafkaIngest(
                 self.built.loop, self.built.checkpoints(), cfg, on_ready=self.server.mark_ready
             )
-            kafka = dataclasses.replace(cfg.kafka, metrics_port=0)  # served below instead
-            self.consumer = EventConsumer(kafka, self.ingest, metrics=self.metrics)
+            kafka = dataclasses.replace(
+                cfg.kafka,
+                group_id=self.built.group_id,
+                metrics_port=0,  # served below instead
+            )
+            member = Member(tag=self.built.model_version)
+            self.consumer = EventConsumer(kafka, self.ingest, metrics=self.metrics, member=member)
 
     @property
     def port(self) -> int:

@@ -193,3 +193,132 @@ def test_data_settings_cover_what_shapes_stored_data():
     # how this machine computes the rule, or what a request asks for, does not count
     for dotted in ("memory.backend", "archive.replay_notes", "model.dropout"):
         assert dotted not in base, dotted
+
+
+# ---- object store and fencing ----------------------------------------------------------
+
+
+@pytest.fixture(params=["dir", "s3"])
+def location(request, tmp_path):
+    """A fresh checkpoint root: a directory, or a bucket of the S3 emulator."""
+    if request.param == "dir":
+        return str(tmp_path / "ckpt")
+    server = request.getfixturevalue("s3_server")
+    return server.bucket()
+
+
+def open_store(location, s3_server=None, **kw):
+    from recmem.blobstore import S3Settings
+
+    s3 = S3Settings(endpoint_url=s3_server.endpoint) if s3_server is not None else None
+    return CheckpointStore(location, LAYOUT, s3=s3, **kw)
+
+
+def store_for(request, location, **kw):
+    server = request.getfixturevalue("s3_server") if location.startswith("s3://") else None
+    return open_store(location, server, **kw)
+
+
+def test_round_trip_deltas_and_corruption_in_either_store(request, location):
+    store = store_for(request, location, keep=2)
+    users, st = write(store, 4, 5, offset=7, seed=0, notes={"n": np.arange(3)})
+    full = store.restore(4, settings=SET).path.name
+    st2 = random_state(LAYOUT, 1, torch.Generator().manual_seed(1))
+    delta = store.write(4, users[:1], st2, 9, model_version="m1", settings=SET, parent=full)
+    ckpt = store.restore(4, settings=SET)
+    assert ckpt.chain == [full, delta.name] and ckpt.next_offset == 9
+    assert_state_equal(ckpt.state.index(slice(0, 1)), st2)
+    assert_state_equal(ckpt.state.index(slice(1, 5)), st.index(slice(1, 5)))
+    assert ckpt.bytes_read > 0
+    assert store.partitions() == [4] and store.latest_offset(4) == 9
+    # a corrupted delta falls back to its full parent
+    key = f"p-00004/{delta.name}/state.S.bin"
+    blob = bytearray(store.blobs.get(key))
+    blob[3] ^= 0xFF
+    store.blobs.put(key, bytes(blob))
+    assert store.restore(4, settings=SET).chain == [full]
+    # a model version other than the service's is refused, never silently continued
+    with pytest.raises(IncompatibleCheckpoint, match="recmem-\\{model_version\\}"):
+        store.restore(4, settings=SET, model_version="m2")
+
+
+def test_a_claim_fences_older_generations_at_write_time(request, location):
+    from recmem.checkpoint import Fenced
+
+    store = store_for(request, location)
+    users, st = write_gen(store, 0, offset=10, generation=3)
+    store.claim(0, generation=5, owner="b:1")
+    before = store.blobs.children("p-00000")
+    with pytest.raises(Fenced, match="generation 5"):
+        write_gen(store, 0, offset=20, generation=3)
+    assert store.blobs.children("p-00000") == before, "a refused write left files behind"
+    ckpt = store.restore(0, settings=SET)
+    assert ckpt.next_offset == 10 and ckpt.generation == 3
+    write_gen(store, 0, offset=30, generation=5)
+    assert store.restore(0, settings=SET).next_offset == 30
+    with pytest.raises(Fenced):
+        store.claim(0, generation=4)
+    assert store.claim(0, generation=5).generation == 5  # the owner's own claim again
+    # another store object (another process) sees the same fence
+    assert store_for(request, location).fence(0).generation == 5
+
+
+class RacingStore(CheckpointStore):
+    """A writer that read the fence just before another member's claim landed (the window
+    between the check and the manifest replace): ``claim_in_between`` runs the claim there."""
+
+    def __init__(self, *args, claim_in_between, **kw):
+        super().__init__(*args, **kw)
+        self.claim_in_between = claim_in_between
+
+    def fence(self, partition, manifest=None):
+        seen = super().fence(partition, manifest)
+        if self.claim_in_between is not None:
+            run, self.claim_in_between = self.claim_in_between, None
+            run()
+        return seen
+
+
+def test_a_stale_write_in_the_race_window_is_refused_by_the_conditional_replace(s3_server):
+    from recmem.blobstore import S3Settings
+    from recmem.checkpoint import Fenced
+
+    location = s3_server.bucket()
+    owner_b = open_store(location, s3_server)
+    write_gen(owner_b, 0, offset=10, generation=3)
+    stale = RacingStore(
+        location, LAYOUT, s3=S3Settings(endpoint_url=s3_server.endpoint),
+        claim_in_between=lambda: owner_b.claim(0, generation=5),
+    )  # fmt: skip
+    with pytest.raises(Fenced):
+        write_gen(stale, 0, offset=20, generation=3)
+    assert owner_b.restore(0, settings=SET).next_offset == 10
+
+
+def test_without_conditional_writes_a_restore_ignores_what_a_stale_owner_slipped_in(tmp_path):
+    """A store that cannot write conditionally lets a stale owner's write through in the
+    race window (it even rolls the manifest's fence back); the claim's fence object still
+    tells a restore to ignore it."""
+    location = str(tmp_path / "ckpt")
+    plain = open_store(location, conditional=False)
+    write_gen(plain, 0, offset=10, generation=3)
+    stale = RacingStore(
+        location, LAYOUT, conditional=False,
+        claim_in_between=lambda: open_store(location, conditional=False).claim(0, 5, "b:1"),
+    )  # fmt: skip
+    write_gen(stale, 0, offset=20, generation=3)
+    assert plain.latest_offset(0) == 10
+    ckpt = plain.restore(0, settings=SET)
+    assert ckpt.next_offset == 10 and ckpt.generation == 3
+    # the new owner's own checkpoints are restore points again
+    write_gen(plain, 0, offset=30, generation=5)
+    assert plain.restore(0, settings=SET).next_offset == 30
+
+
+def write_gen(store, partition, offset, generation):
+    users = [f"u{partition}-{i}" for i in range(3)]
+    st = random_state(LAYOUT, 3, torch.Generator().manual_seed(offset))
+    store.write(
+        partition, users, st, offset, model_version="m1", settings=SET, generation=generation
+    )
+    return users, st
