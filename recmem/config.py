@@ -188,6 +188,18 @@ class ServerConfig:
     """Listen address."""
     port: int = 50051
     """Listen port."""
+    advertised_address: str = ""
+    """host:port at which the other instances of the group and clients reach this one
+    (published in the group, recmem.client routes with it). Empty: server.host with the
+    bound port, a wildcard host (0.0.0.0, ::) replaced by this machine's host name."""
+    routing: str = "forward"
+    """A Rank or InspectUser for a user another instance of the group owns: forward = send
+    it there (one gRPC hop; the answer comes back through this instance) | redirect =
+    answer FAILED_PRECONDITION with the owner's address in the trailing metadata
+    (recmem-owner), for clients that route themselves (recmem.client.RankClient)."""
+    retry_hint_ms: int = 250
+    """The retry hint (trailing metadata grpc-retry-pushback-ms) of an UNAVAILABLE answer for
+    a user whose partition is being restored or moved, or whose owner does not answer."""
     max_k: int = 1000
     """Largest k accepted."""
     max_candidates: int = 10_000

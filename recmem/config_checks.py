@@ -95,6 +95,7 @@ RANGES: dict[str, str] = {
     "server.torch_threads": "[0, inf)",
     "server.replay_cache_users": "[0, inf)",
     "server.shutdown_grace_s": "[0, inf)",
+    "server.retry_hint_ms": "[0, inf)",
 }
 """``section.field`` -> the interval its value must lie in (``[`` / ``]`` closed, ``(`` /
 ``)`` open). Every int and float field has one (a test checks)."""
@@ -108,6 +109,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kafka.security_protocol": ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     "kafka.sasl_mechanism": ("", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"),
     "kafka.assignor": ("cooperative-sticky", "range", "roundrobin"),
+    "server.routing": ("forward", "redirect"),
 }
 """``section.field`` -> its allowed values. ``memory.backend``, ``memory.train_backend``,
 ``model.hybrid`` and ``model.request_time`` are checked against the code that implements

@@ -191,10 +191,15 @@ class KafkaIngest:
     # ---- BatchSink ---------------------------------------------------------------------
 
     def on_group(self, view: GroupView) -> None:
-        """A new generation: what the next claims and writes carry."""
+        """A new generation: what the next claims and writes carry. A member given no
+        partition at all is ready at once (it answers by forwarding)."""
         self.generation = view.generation
         if self._on_view is not None:
             self._on_view(view)
+        mine = any(m.address == self.owner for m in view.owners.values())
+        if self._on_ready is not None and not mine and not self.assigned and not self._restoring:
+            self._on_ready()
+            self._on_ready = None
 
     def on_assigned(self, partitions: list[int]) -> dict[int, Resume | int | Restoring]:
         """Claim and restore each partition on a restore thread; the consumer keeps them
