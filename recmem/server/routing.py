@@ -92,16 +92,22 @@ class Forwarder:
 
 
 def passthrough(e: grpc.RpcError, owner: str, partition: int, retry_ms: int) -> RoutingFailure:
-    """The owner's error as this call's answer; a connection failure (the owner is gone)
-    becomes UNAVAILABLE with a retry hint."""
+    """The owner's error as this call's answer. A connection failure (the owner is gone)
+    becomes UNAVAILABLE with a retry hint; so does a redirect from the hop (the two
+    instances' maps disagree while the group rebalances: a plain client should retry
+    here, not chase an owner that may be gone)."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
     details = e.details() if hasattr(e, "details") else str(e)  # type: ignore[attr-defined]
     trailing = tuple((m.key, m.value) for m in (e.trailing_metadata() or ()))  # type: ignore[attr-defined]
     keys = {k for k, _ in trailing}
     extra: tuple[tuple[str, str], ...] = ()
+    if code == grpc.StatusCode.FAILED_PRECONDITION and OWNER in keys:
+        code = grpc.StatusCode.UNAVAILABLE
+        details = f"partition {partition} is moving between instances ({details}); retry shortly"
     if OWNER not in keys:
         extra += ((OWNER, owner), (PARTITION, str(partition)))
     if code == grpc.StatusCode.UNAVAILABLE and RETRY_PUSHBACK not in keys:
         extra += ((RETRY_PUSHBACK, str(retry_ms)),)
-        details = f"the owner of partition {partition} ({owner}) did not answer: {details}"
+        if OWNER not in keys:
+            details = f"the owner of partition {partition} ({owner}) did not answer: {details}"
     return RoutingFailure(code, details or code.name, trailing + extra)
