@@ -174,3 +174,26 @@ def test_a_member_with_another_tag_is_refused(kafka_config):
     finally:
         a.stop()
         ta.join(timeout=15)
+
+
+def test_static_membership_reaches_the_consumer(kafka_config):
+    """``kafka.group_instance_id`` is handed to kafka-python (KIP-345). The embedded broker
+    does not settle static groups (a static member's join takes 10 s or more there and the
+    group keeps a departed member's assignment), so only the setting is checked here;
+    docs/scaling.md says what was and was not tested."""
+    cfg = kafka_config(partitions=1, group_instance_id="recmem-0")
+    consumer = EventConsumer(cfg, RecordingSink())
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: consumer._consumer is not None, what="the consumer to start")
+        kafka_consumer = consumer._consumer
+        assert kafka_consumer is not None
+        assert kafka_consumer.config["group_instance_id"] == "recmem-0"
+        assert kafka_consumer.config["partition_assignment_strategy"][0].name == (
+            "cooperative-sticky"
+        )
+    finally:
+        consumer.stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
