@@ -172,19 +172,23 @@ def model(a: argparse.Namespace) -> dict[str, object]:
     by_memory = math.ceil(state_gb / a.machine_state_gb)
     per_process_rate = min(a.kernel_events_per_s, a.consume_events_per_s)
     by_events = math.ceil(a.events_per_s / (per_process_rate * procs_per_machine))
-    machines = max(by_memory, by_events, 1)
-    bound = "state memory" if by_memory >= by_events else (
-        "engine events/s" if a.kernel_events_per_s <= a.consume_events_per_s
-        else "Kafka consumption"
-    )  # fmt: skip
-    processes = machines * procs_per_machine
-    partitions = a.partitions or processes * 4
-    users_per_partition = a.users / partitions
-    partition_gb = users_per_partition * a.bytes_per_user / 1e9
     # checkpoints: deltas of the users active in an interval, a full one every full_every
     delta_mb_s = a.users * a.active_fraction * a.bytes_per_user / 1e6 / a.interval_s
     full_mb_s = a.users * a.bytes_per_user / 1e6 / (a.full_every * a.interval_s)
     ckpt_mb_s = delta_mb_s + full_mb_s
+    by_checkpoints = math.ceil(ckpt_mb_s / (a.write_mb_s * a.checkpoint_budget * procs_per_machine))
+    bounds = {
+        "state memory": by_memory,
+        "engine events/s" if a.kernel_events_per_s <= a.consume_events_per_s
+        else "Kafka consumption": by_events,
+        "checkpoint writes": by_checkpoints,
+    }  # fmt: skip
+    machines = max(*bounds.values(), 1)
+    bound = max(bounds, key=lambda k: bounds[k])
+    processes = machines * procs_per_machine
+    partitions = a.partitions or processes * 4
+    users_per_partition = a.users / partitions
+    partition_gb = users_per_partition * a.bytes_per_user / 1e9
     per_process_ckpt = ckpt_mb_s / processes
     restore_partition_s = partition_gb * 1e3 / a.restore_mb_s
     # one machine lost: its partitions spread over the survivors' restore threads
@@ -192,7 +196,9 @@ def model(a: argparse.Namespace) -> dict[str, object]:
     survivors = max(machines - 1, 1)
     rounds = math.ceil(moved / (survivors * procs_per_machine * a.restore_threads))
     restore_s = rounds * restore_partition_s
-    join_s = a.session_s / 2  # what a broker's join round takes, about (tansu: ceil to 1 s)
+    # a rejoin round: about half the session timeout on the embedded broker (tansu holds a
+    # JoinGroup that long, in 1 s steps); Apache Kafka completes it once the members rejoin
+    join_s = a.rejoin_s if a.rejoin_s >= 0 else math.ceil(a.session_s / 2)
     events_per_partition = a.events_per_s / partitions
     replay_s = events_per_partition * a.interval_s / per_process_rate  # at most one interval
     return {
@@ -200,6 +206,7 @@ def model(a: argparse.Namespace) -> dict[str, object]:
         "machines": machines,
         "machines_by_state_memory": by_memory,
         "machines_by_events": by_events,
+        "machines_by_checkpoint_writes": by_checkpoints,
         "bound_by": bound,
         "processes": processes,
         "partitions": partitions,
@@ -209,7 +216,7 @@ def model(a: argparse.Namespace) -> dict[str, object]:
         "checkpoint_mb_s_deltas": round(delta_mb_s, 1),
         "checkpoint_mb_s_full": round(full_mb_s, 1),
         "checkpoint_mb_s_per_process": round(per_process_ckpt, 1),
-        "checkpoint_write_share_of_interval": round(per_process_ckpt / a.write_mb_s, 3),
+        "checkpoint_writer_busy_share": round(per_process_ckpt / a.write_mb_s, 3),
         "restore_s_per_partition": round(restore_partition_s, 2),
         "rebalance_after_losing_a_machine": {
             "partitions_moved": round(moved, 1),
@@ -247,6 +254,10 @@ def main() -> None:
     p.add_argument("--full-every", type=int, default=8, help="checkpoint.full_every")
     p.add_argument("--session-s", type=float, default=10.0, help="kafka.session_timeout_ms/1000")
     p.add_argument("--restore-threads", type=int, default=2, help="checkpoint.restore_threads")
+    p.add_argument("--rejoin-s", type=float, default=-1.0,
+                   help="a rejoin round (-1: the embedded broker's, ceil(session / 2))")  # fmt: skip
+    p.add_argument("--checkpoint-budget", type=float, default=0.5,
+                   help="share of a process's time its checkpoint writer may be busy")  # fmt: skip
     p.add_argument("--measure", action="store_true", help="measure checkpoint MB/s here")
     p.add_argument("--measure-users", type=int, default=2000)
     p.add_argument("--s3", action="store_true", help="--measure the S3 emulator too")
@@ -282,12 +293,14 @@ def main() -> None:
         f"target: {a.users:,.0f} users, {a.events_per_s:,.0f} events/s, "
         f"{a.bytes_per_user:,.0f} bytes per user ({m['state_tb']} TB of state)\n"
         f"machines: {m['machines']} (state memory {m['machines_by_state_memory']}, "
-        f"events {m['machines_by_events']}; bound by {m['bound_by']}), "
+        f"events {m['machines_by_events']}, checkpoint writes "
+        f"{m['machines_by_checkpoint_writes']}; bound by {m['bound_by']}), "
         f"{m['processes']} processes, {m['partitions']} partitions of "
         f"{m['users_per_partition']:,} users ({m['partition_gb']} GB)\n"
         f"checkpoint bandwidth: {m['checkpoint_mb_s_total']} MB/s "
         f"({m['checkpoint_mb_s_deltas']} deltas + {m['checkpoint_mb_s_full']} full), "
-        f"{m['checkpoint_mb_s_per_process']} MB/s per process\n"
+        f"{m['checkpoint_mb_s_per_process']} MB/s per process (writer busy "
+        f"{m['checkpoint_writer_busy_share']:.0%} at {a.write_mb_s} MB/s)\n"
         f"restore: {m['restore_s_per_partition']} s per partition at {a.restore_mb_s} MB/s\n"
         f"rebalance after losing a machine: {json.dumps(m['rebalance_after_losing_a_machine'])}"
     )

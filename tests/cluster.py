@@ -333,11 +333,13 @@ class Cluster:
             and owners == {self.instances[i].address for i in self.live()}
         )
 
-    def owners(self) -> dict[int, int]:
-        """partition -> instance index, from the first live member's map."""
+    def owners(self, via: int | None = None) -> dict[int, int]:
+        """partition -> instance index, from member ``via``'s map (default the first live
+        one); {} when it does not answer."""
         by_address = {inst.address: inst.index for inst in self.instances}
-        m = self.routing(self.live()[0])
-        assert m is not None
+        m = self.routing(self.live()[0] if via is None else via)
+        if m is None:
+            return {}
         return {o.partition: by_address[o.address] for o in m.owners}
 
     def rank_all(

@@ -234,7 +234,7 @@ def test_a_member_frozen_while_it_writes_is_fenced(tmp_path, kafka_config):
             assert stopped, "never caught the member in the middle of a write"
             try:
                 cluster.wait(
-                    lambda o=other: set(cluster.owners().values()) == {o}, 60,
+                    lambda o=other: set(cluster.owners(via=o).values()) == {o}, 60,
                     "the other member to own every partition",
                 )  # fmt: skip
                 cluster.wait(

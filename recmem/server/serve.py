@@ -94,7 +94,8 @@ class RecMemService:
         return self.server.port
 
     def start(self) -> RecMemService:
-        # with ingest on, health says SERVING only once the first partitions are restored
+        # with ingest on, health says SERVING only once the first partitions are restored (or
+        # the group gave this instance none: it answers by forwarding)
         self.server.start(ready=self.consumer is None)
         if self.cfg.server.metrics_port > 0:
             s = self.cfg.server
