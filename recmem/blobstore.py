@@ -2,7 +2,7 @@
 API (AWS S3, MinIO, moto in the tests). Keys are ``/``-separated paths under the store's
 root (``p-00003/ckpt-.../meta.json``).
 
-Both give the two operations fencing needs (recmem/checkpoint.py):
+Both give the two operations fencing needs (recmem/checkpoint/):
 
 - a conditional replace, ``put_if(key, data, tag)``: the write happens only if the object
   is still the one read with ``tag``; ``tag=None``: only if there is none yet. On S3 these

@@ -9,7 +9,7 @@ exactly once. ``recmem ingest`` (``run_ingest``) is ``recmem serve`` without gRP
 builder, the same engine, the same checkpoint contents.
 
 A partition given to this member is claimed with the member's group generation (the
-fence, recmem/checkpoint.py) and restored by a restore thread, off the consumer's thread
+fence, recmem/checkpoint/fencing.py) and restored by a restore thread, off the consumer's thread
 and off the rank path: the consumer keeps the partition paused meanwhile, the engine loop
 installs the restored users in slices with rank batches in between, and the partition
 serves rank calls only once it is complete (until then they fail with

@@ -1,36 +1,8 @@
-"""Checkpoints: the states of one Kafka partition's users, their archive notes and the next
-offset of that partition, written as one unit (like a Kafka Streams task's state store,
-changelog and input offsets), in a directory or an object store (recmem/blobstore.py).
-
-Layout under the checkpoint root (``<checkpoint.dir>/<topic>/<group>``), one prefix per
-partition::
-
-    p-00003/MANIFEST.json                 names the complete checkpoints, newest first, and
-                                          the partition's fence (the owner's generation)
-    p-00003/ckpt-000000000042-g7-1f2e3d/  meta.json (offset, kind, parent, generation,
-                                          CRCs), users.json, state.*.bin, notes.*.npy
-    p-00003/fence-000000000007.json       one per claim, never replaced
-
-A checkpoint is full (every user of the partition) or a delta (only the users that changed
-since its parent, an earlier checkpoint); restoring a delta reads its chain back to the last
-full one, later states winning. The manifest keeps the newest ``keep`` restore points and
-every checkpoint their chains need.
-
-Files are written (and fsynced) under a fresh name, ``meta.json`` last; then the manifest is
-replaced, which is the commit. A crash at any point leaves the previous manifest naming only
-complete checkpoints. Every file carries a CRC32 in meta.json; a checkpoint that fails its
-checks is skipped with a warning and the previous one is used.
-
-Fencing. A member that is given a partition by the group first *claims* it with its group
-generation (``claim``): a create-only fence object and, conditionally, the manifest's
-fence. Every later write carries the writer's generation and commits only if no newer
-claim exists, through a conditional replace of the manifest (S3 ``If-Match``; a lock in a
-directory): an owner that was paused (SIGSTOP, a long GC, a network partition) and resumed
-after the group gave its partitions to another member is refused at write time
-(``Fenced``). Where a store cannot write conditionally, a restore ignores every checkpoint
-written by an older generation after the newest claim (it names the checkpoint it started
-from), so a stale owner's write is never the restore point.
-"""
+"""The checkpoint store: writes one partition's checkpoint as files under a fresh name and
+commits it with a conditional replace of the partition's manifest, keeps the newest
+restore points and what their delta chains need, claims partitions for a generation, and
+restores the newest checkpoint whose chain passes its checks (recmem/checkpoint/__init__.py
+describes the layout and the guarantees)."""
 
 from __future__ import annotations
 
@@ -39,12 +11,11 @@ import io
 import json
 import logging
 import os
-import re
 import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path, PurePath, PurePosixPath
+from pathlib import PurePath, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -52,7 +23,18 @@ import torch
 
 from models.state import MemoryState
 from recmem.blobstore import Blobs, DirBlobs, S3Settings, WriteConflict, open_blobs
-from recmem.config import Config
+from recmem.checkpoint.fencing import (
+    CKPT,
+    FENCE,
+    NAME_OK,
+    NO_GENERATION,
+    Fence,
+    Fenced,
+    generation_of,
+    is_stale,
+    seq_of,
+)
+from recmem.checkpoint.settings import settings_diff
 from recmem.state_store import StateLayout, state_from_numpy, state_to_numpy
 
 log = logging.getLogger(__name__)
@@ -61,61 +43,8 @@ FORMAT_VERSION = 2
 """2: meta.json carries the settings that shape the stored data (``data_settings``) and the
 source topic's identity; 1 (a config hash only) is refused."""
 MANIFEST = "MANIFEST.json"
-_NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
-_CKPT = re.compile(r"^ckpt-(\d+)(?:-g(-?\d+)-[0-9a-f]+)?$")
-_FENCE = re.compile(r"^fence-(\d+)\.json$")
-NO_GENERATION = -1
-"""The generation of a writer outside any consumer group (tests, tools): never fenced by
-one, refused once a group member has claimed the partition."""
 FENCES_KEPT = 3
 COMMIT_ATTEMPTS = 5
-
-RUNTIME_ONLY = {
-    "memory": ("backend", "chunk_size"),
-    "model": ("dropout",),
-    "archive": ("replay_notes", "min_votes"),
-}
-"""Fields of those sections that do not shape stored data: how this machine computes the
-rule, training-only settings, and what a rank request asks for by default."""
-
-
-def data_settings(cfg: Config) -> dict[str, Any]:
-    """Every setting that shapes what a checkpoint stores, as ``section.field`` -> value:
-    the memory and model sections (the states' meaning and the window), the archive's
-    note selection and addresses (and the seed of their coordinate selection), and the
-    number of latest events kept per user. A checkpoint written under other values is
-    refused: its states, notes or tails mean something else."""
-    out: dict[str, Any] = {}
-    full = cfg.to_dict()
-    for section in ("memory", "model", "archive"):
-        for name, value in full[section].items():
-            if name not in RUNTIME_ONLY.get(section, ()):
-                out[f"{section}.{name}"] = value
-    out["train.seed"] = cfg.train.seed  # seeds the archive's address coordinates
-    out["recent_events"] = max(1, cfg.server.replay_query_events)
-    return out
-
-
-def checkpoint_root(base: str, topic: str, group_id: str) -> str:
-    """Where a group's checkpoints of ``topic`` live under ``checkpoint.dir`` (a directory or
-    an s3:// location): ``<base>/<topic>/<group id>``, like Kafka Streams' state directory
-    per application id. Two groups on one topic (two model versions) never share one."""
-    from urllib.parse import quote
-
-    group = quote(group_id, safe="-_.")
-    if base.startswith("s3://"):
-        return f"{base.rstrip('/')}/{topic}/{group}"
-    return os.fspath(Path(base).expanduser() / topic / group)
-
-
-def settings_diff(stored: dict[str, Any], ours: dict[str, Any]) -> list[str]:
-    """Human-readable differences ``name: checkpoint X, this service Y``."""
-    names = sorted(set(stored) | set(ours))
-    return [
-        f"{n}: checkpoint {stored.get(n, '<unset>')!r}, this service {ours.get(n, '<unset>')!r}"
-        for n in names
-        if stored.get(n) != ours.get(n)
-    ]
 
 
 class CheckpointError(ValueError):
@@ -126,59 +55,6 @@ class IncompatibleCheckpoint(CheckpointError):
     """A complete checkpoint this service must not continue: another format, other
     settings or another model version. Never skipped silently (an older restore point would
     have the same problem)."""
-
-
-class Fenced(RuntimeError):
-    """A later group generation claimed the partition: this writer no longer owns it."""
-
-
-@dataclass(frozen=True)
-class Fence:
-    """The newest claim of a partition: the claimant's group generation, who it was, and
-    the checkpoint it started from (None: there was none)."""
-
-    generation: int = NO_GENERATION
-    owner: str = ""
-    base: str | None = None
-    claimed_unix: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "generation": self.generation,
-            "owner": self.owner,
-            "base": self.base,
-            "claimed_unix": self.claimed_unix,
-        }
-
-    @classmethod
-    def from_json(cls, raw: Any) -> Fence:
-        if not isinstance(raw, dict):
-            return cls()
-        base = raw.get("base")
-        return cls(
-            int(raw.get("generation", NO_GENERATION)),
-            str(raw.get("owner", "")),
-            base if isinstance(base, str) and _NAME_OK.match(base) else None,
-            float(raw.get("claimed_unix", 0.0)),
-        )
-
-
-def _seq(name: str) -> int:
-    m = _CKPT.match(name)
-    return int(m.group(1)) if m else -1
-
-
-def _generation(name: str) -> int:
-    """The writer's generation in a checkpoint's name (NO_GENERATION for the older names)."""
-    m = _CKPT.match(name)
-    return int(m.group(2)) if m and m.group(2) is not None else NO_GENERATION
-
-
-def _stale(name: str, fence: Fence) -> bool:
-    """Written by an older generation after ``fence``'s claim (it cannot be the restore
-    point: the claimant did not start from it)."""
-    base = _seq(fence.base) if fence.base else 0
-    return _generation(name) < fence.generation and _seq(name) > base
 
 
 @dataclass
@@ -294,7 +170,7 @@ class CheckpointStore:
         try:
             raw = json.loads(data)
             names = raw["checkpoints"]
-            if not all(isinstance(n, str) and _NAME_OK.match(n) for n in names):
+            if not all(isinstance(n, str) and NAME_OK.match(n) for n in names):
                 raise ValueError("bad checkpoint name")
             return _Manifest(list(names), Fence.from_json(raw.get("fence")), tag)
         except (ValueError, KeyError, TypeError) as e:
@@ -302,7 +178,7 @@ class CheckpointStore:
                 "partition %d: unreadable manifest (%s); scanning checkpoints", partition, e
             )
             names = sorted(
-                (n for n in self.blobs.children(pdir) if _CKPT.match(n)), key=_seq, reverse=True
+                (n for n in self.blobs.children(pdir) if CKPT.match(n)), key=seq_of, reverse=True
             )
             return _Manifest(names, Fence(), tag, readable=False)
 
@@ -313,7 +189,7 @@ class CheckpointStore:
         """(generation, name) of the partition's fence objects, oldest first."""
         found = []
         for name in self.blobs.children(self._pdir(partition)):
-            m = _FENCE.match(name)
+            m = FENCE.match(name)
             if m:
                 found.append((int(m.group(1)), name))
         return sorted(found)
@@ -357,7 +233,7 @@ class CheckpointStore:
                         f"partition {partition}: claimed by generation {current.generation} "
                         f"({current.owner or 'unknown'}); this member holds {generation}"
                     )
-                base = next((n for n in manifest.names if not _stale(n, current)), None)
+                base = next((n for n in manifest.names if not is_stale(n, current)), None)
                 fence = Fence(generation, owner, base, time.time())
                 key = f"{pdir}/fence-{generation:012d}.json"
                 # (exists already after a retry of this generation's claim: the manifest decides)
@@ -410,16 +286,16 @@ class CheckpointStore:
         newer generation claimed the partition."""
         pdir = self._pdir(partition)
         if parent is not None and not (
-            _NAME_OK.match(parent) and self.blobs.get_tagged(f"{pdir}/{parent}/meta.json")
+            NAME_OK.match(parent) and self.blobs.get_tagged(f"{pdir}/{parent}/meta.json")
         ):
             raise ValueError(f"partition {partition}: parent checkpoint {parent!r} does not exist")
         if int(state.pos.shape[0]) != len(user_ids):
             raise ValueError(f"{len(user_ids)} user ids but {state.pos.shape[0]} states")
         for name in notes or {}:
-            if not _NAME_OK.match(name):
+            if not NAME_OK.match(name):
                 raise ValueError(f"note array name {name!r} is not a safe file name")
         existing = self.blobs.children(pdir)
-        seq = max((_seq(n) for n in existing + self._manifest(partition)), default=0)
+        seq = max((seq_of(n) for n in existing + self._manifest(partition)), default=0)
         seq = max(seq, 0) + 1
         name = f"ckpt-{seq:012d}-g{generation}-{uuid.uuid4().hex[:6]}"
         prefix = f"{pdir}/{name}"
@@ -434,8 +310,8 @@ class CheckpointStore:
         # older checkpoints, leftovers of crashed writes, refused writes: never anything a
         # newer generation wrote (it may be writing now)
         for child in self.blobs.children(pdir):
-            leftover = _CKPT.match(child) or child.startswith(".tmp-")
-            if leftover and child not in keep and _generation(child) <= generation:
+            leftover = CKPT.match(child) or child.startswith(".tmp-")
+            if leftover and child not in keep and generation_of(child) <= generation:
                 self.blobs.delete_tree(f"{pdir}/{child}")
         log.debug(
             "partition %d: checkpoint %s, %d users, offset %d",
@@ -530,7 +406,7 @@ class CheckpointStore:
         manifest = self._read_manifest(partition)
         fence = self.fence(partition, manifest)
         for name in manifest.names:
-            if _stale(name, fence):
+            if is_stale(name, fence):
                 continue
             try:
                 meta = json.loads(self.blobs.get(f"{self._pdir(partition)}/{name}/meta.json"))
@@ -545,7 +421,7 @@ class CheckpointStore:
         except (OSError, ValueError):
             return None
         parent = meta.get("parent")
-        return parent if isinstance(parent, str) and _NAME_OK.match(parent) else None
+        return parent if isinstance(parent, str) and NAME_OK.match(parent) else None
 
     def _retained(self, partition: int, names: list[str]) -> list[str]:
         """The newest ``keep`` restore points of ``names`` (newest first) and every older
@@ -556,7 +432,7 @@ class CheckpointStore:
             while cur is not None and cur not in keep:
                 keep.add(cur)
                 cur = self._parent_of(partition, cur)
-        return sorted(keep, key=_seq, reverse=True)
+        return sorted(keep, key=seq_of, reverse=True)
 
     def restore(
         self,
@@ -574,11 +450,11 @@ class CheckpointStore:
         manifest = self._read_manifest(partition)
         fence = self.fence(partition, manifest)
         for name in manifest.names:
-            if _stale(name, fence):
+            if is_stale(name, fence):
                 log.warning(
                     "partition %d: ignoring checkpoint %s: written by generation %d after "
                     "generation %d claimed the partition (from %s)",
-                    partition, name, _generation(name), fence.generation, fence.base,
+                    partition, name, generation_of(name), fence.generation, fence.base,
                 )  # fmt: skip
                 continue
             try:
@@ -673,7 +549,7 @@ class CheckpointStore:
             raise CheckpointError(f"belongs to partition {meta['partition']}")
         blobs: dict[str, bytes] = {}
         for fname, info in meta["files"].items():
-            if not _NAME_OK.match(fname):
+            if not NAME_OK.match(fname):
                 raise CheckpointError(f"bad file name {fname!r}")
             data = self.blobs.get(f"{prefix}/{fname}")
             if len(data) != info["bytes"] or zlib.crc32(data) != info["crc32"]:
@@ -696,7 +572,7 @@ class CheckpointStore:
                 if f.startswith("notes.")
             }
         parent = meta.get("parent")
-        if parent is not None and not (isinstance(parent, str) and _NAME_OK.match(parent)):
+        if parent is not None and not (isinstance(parent, str) and NAME_OK.match(parent)):
             raise CheckpointError(f"bad parent name {parent!r}")
         return _Loaded(
             partition=partition,
