@@ -4,6 +4,7 @@ other values is refused) and the checkpoint root of a (topic, consumer group).""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -48,11 +49,37 @@ def checkpoint_root(base: str, topic: str, group_id: str) -> str:
     return os.fspath(Path(base).expanduser() / topic / group)
 
 
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """``data_settings`` of the default configuration: the value a setting that a
+    checkpoint does not record had when it was written. A setting added to the memory,
+    model or archive sections must therefore default to what the code did before it
+    existed, so that older checkpoints stay readable. (Read only: shared by every call.)"""
+    return data_settings(Config())
+
+
+_UNSET = object()
+
+
 def settings_diff(stored: dict[str, Any], ours: dict[str, Any]) -> list[str]:
-    """Human-readable differences ``name: checkpoint X, this service Y``."""
-    names = sorted(set(stored) | set(ours))
+    """Human-readable differences ``name: checkpoint X, this service Y``. A setting that one
+    side does not record (a checkpoint written before the setting existed) compares as its
+    default, the config's dataclass default; one without a default (a setting this service
+    no longer has) differs from anything."""
+    defaults = _defaults()
+
+    def value(side: dict[str, Any], name: str) -> Any:
+        return side[name] if name in side else defaults.get(name, _UNSET)
+
+    def shown(side: dict[str, Any], name: str) -> str:
+        if name in side:
+            return repr(side[name])
+        if name in defaults:
+            return f"<unset: default {defaults[name]!r}>"
+        return "<unset>"
+
     return [
-        f"{n}: checkpoint {stored.get(n, '<unset>')!r}, this service {ours.get(n, '<unset>')!r}"
-        for n in names
-        if stored.get(n) != ours.get(n)
+        f"{n}: checkpoint {shown(stored, n)}, this service {shown(ours, n)}"
+        for n in sorted(set(stored) | set(ours))
+        if value(stored, n) != value(ours, n)
     ]

@@ -495,7 +495,7 @@ class CheckpointStore:
             ck = self._load(partition, f"{self._pdir(partition)}/{cur}")
             if chain and ck.seq >= chain[-1].seq:
                 raise CheckpointError(f"{cur} is not older than its child {chain[-1].path.name}")
-            if chain and ck.settings != chain[-1].settings:
+            if chain and settings_diff(ck.settings, chain[-1].settings):
                 raise CheckpointError(f"{cur} has other settings than its child")
             chain.append(ck)
             cur = ck.parent

@@ -126,6 +126,45 @@ def test_settings_mismatch_names_the_setting_and_bad_inputs(tmp_path):
     assert len(manifest["checkpoints"]) == 1
 
 
+def test_a_setting_an_older_checkpoint_lacks_compares_as_its_default(tmp_path):
+    """A setting added after a checkpoint was written is not in its meta.json: the checkpoint
+    restores under the setting's default, and is refused under any other value."""
+    from recmem.config import Config
+
+    ours = data_settings(Config())
+    new = "model.window"  # stands for a setting the writer did not know yet
+    older = {n: v for n, v in ours.items() if n != new}
+    changed = Config()
+    changed.model.window = Config().model.window * 2 + 1
+    store = CheckpointStore(tmp_path, LAYOUT)
+    users = ["a", "b"]
+    gen = torch.Generator().manual_seed(0)
+    full = store.write(0, users, random_state(LAYOUT, 2, gen), 5, model_version="m", settings=older)
+    # another value than the default is refused, and the message says what the default is
+    with pytest.raises(
+        IncompatibleCheckpoint,
+        match=rf"{new}: checkpoint <unset: default {Config().model.window}>, "
+        rf"this service {changed.model.window}",
+    ):
+        store.restore(0, settings=data_settings(changed))
+    ckpt = store.restore(0, settings=ours, model_version="m")
+    assert ckpt is not None and ckpt.next_offset == 5
+    # this service goes on with deltas on top of the older checkpoint: the chain holds
+    st = random_state(LAYOUT, 1, gen)
+    store.write(0, ["a"], st, 7, model_version="m", settings=ours, parent=full.name)
+    ckpt = store.restore(0, settings=ours, model_version="m")
+    assert ckpt is not None and ckpt.next_offset == 7 and len(ckpt.chain) == 2
+    assert_state_equal(ckpt.state.index(torch.tensor([0])), st)
+    # a setting the checkpoint records and this service no longer has: refused
+    gone = CheckpointStore(tmp_path / "gone", LAYOUT)
+    retired = dict(ours, **{"model.retired": 3})
+    gone.write(0, users, random_state(LAYOUT, 2, gen), 1, model_version="m", settings=retired)
+    with pytest.raises(
+        IncompatibleCheckpoint, match="model.retired: checkpoint 3, this service <unset>"
+    ):
+        gone.restore(0, settings=ours)
+
+
 def test_delta_chain_merges_and_keeps_what_it_needs(tmp_path):
     store = CheckpointStore(tmp_path, LAYOUT, keep=2)
     gen = torch.Generator().manual_seed(3)
