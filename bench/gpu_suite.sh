@@ -8,11 +8,24 @@
 # prometheus-client, tqdm), .gpu/data (splits: recmem eval --dataset D --prepare-split
 # .gpu/data/D-split.npz) and .gpu/src (git archive HEAD | tar -x -C .gpu/src). Set GIT_COMMIT.
 #
-# Plans (every run passes only the seed; the recipe is the default):
+# Plans (every run passes only the seed, plus the switch of the mechanism it measures; the
+# recipe is the default):
 #   smoke   ML-1M: SASRec and two memory heads for MAX_S (120) seconds each
 #   final   the suite: the default memory model with 3 seeds on ML-1M and ML-100K; SASRec,
 #           pop, MAG and the ablations (no request time, gap only, no hybrid) with seed 0;
 #           the bytes curve on ML-1M; pop, SASRec, MAC and MAG on each of OTHER_SETS
+#   smoke12  issue 12's mechanisms on ML-100K for MAX_S (60) seconds each: their CUDA paths
+#            (about 4 minutes; run it first, then issue12)
+#   notebank issue 12, NoteBank replay, 3 seeds: ML-1M: the default model trained once per
+#            seed (recmem train), then on those weights, each in its own process: replay off,
+#            today's replay, the gate fusion (replay off and on), lexical, candidate-aware
+#            and learned routing; ML-100K: the same plus the low-rank fusion and joint
+#            training, one worker per seed
+#   proteus  issue 12, Proteus schedules, 3 seeds: static, surprise, drift, narrow, random
+#            block order on ML-1M (uniform is the notebank plan's base), and with uniform
+#            and reverse order on ML-100K
+#   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
+#            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
 W=/tmp/recmem-suite
 SPLITS=$W/data
@@ -32,6 +45,83 @@ GAP_ONLY='memory-proteus[model.request_time=gap]'
 NO_HYBRID='memory-proteus[model.hybrid=none]'
 SMALL='memory-proteus[memory.n_heads=4;memory.key_dim=16;memory.value_dim=16]'
 LARGE='memory-proteus[memory.n_heads=4;memory.key_dim=64;memory.value_dim=64]'
+
+run_train() {  # run_train NAME SPLIT SEED [extra args]: one recmem train, in the foreground
+  local name=$1 split=$2 seed=$3
+  shift 3
+  python3 -m recmem.cli train --dataset "split:$SPLITS/$split-split.npz" --out "$W/out/$name" \
+    --set train.seed="$seed" "$@" >"$W/logs/$name.log" 2>&1
+}
+
+pack() {  # pack NAME GLOB...: the evaluations whose folders match go back in $OUT/NAME.tgz
+  echo "$*" >>$W/packs
+}
+
+# issue 12: NoteBank replay. The fusion trains for REPLAY_STEPS steps after the base training
+# with the base frozen (train.replay_freeze, the default), so replay off is the base model.
+G="model.replay_fusion=gate;train.replay_steps=${REPLAY_STEPS:-200}"
+LOWRANK="model.replay_fusion=lowrank;train.replay_steps=${REPLAY_STEPS:-200}"
+NB_CORE="memory-proteus,memory-proteus-notebank,memory-proteus[$G],memory-proteus-notebank[$G]"
+NB_ROUTES=(
+  "memory-proteus-notebank[$G;archive.routing=lexical]"
+  "memory-proteus-notebank[$G;archive.routing=candidates]"
+  "memory-proteus-notebank[$G;model.route_dim=32]"
+)
+NB_EXTRA="memory-proteus-notebank[$LOWRANK],memory-proteus[$G;train.replay_freeze=false]"
+NB_EXTRA="$NB_EXTRA,memory-proteus-notebank[$G;train.replay_freeze=false]"
+# issue 12: Proteus schedules (uniform is the default model)
+PR_1M="memory-proteus[memory.n_blocks=1],memory-proteus[memory.unlock=surprise]"
+PR_1M="$PR_1M,memory-proteus[memory.unlock=drift],memory-proteus[memory.unlock=narrow]"
+PR_1M="$PR_1M,memory-proteus[memory.block_order=random]"
+PR_100K="memory-proteus,$PR_1M,memory-proteus[memory.block_order=reverse]"
+
+nb_ml1m_seed() {  # nb_ml1m_seed SEED [extra]: the base of one seed, then each variant on it
+  local s=$1
+  shift
+  run_train "base-ml-1m-s$s" ml-1m "$s" "$@" || return 1
+  local ck=(--set eval.checkpoint="$W/out/base-ml-1m-s$s" --set train.seed="$s")
+  PIDS=()
+  run_eval "nb-ml-1m-s$s-core" ml-1m 1 "$NB_CORE" "${ck[@]}"
+  local i=0 m
+  for m in "${NB_ROUTES[@]}"; do
+    run_eval "nb-ml-1m-s$s-route$i" ml-1m 1 "$m" "${ck[@]}"
+    i=$((i + 1))
+  done
+  wait "${PIDS[@]}"
+}
+
+plan_notebank() {
+  local cap=(--set train.max_seconds="${MAX_S:-600}") s
+  for s in 0 1 2; do
+    nb_ml1m_seed "$s" "${cap[@]}" &
+    PIDS+=($!)
+    pack "nb-ml-1m-s$s" "base-ml-1m-s$s" "nb-ml-1m-s$s-*"
+  done
+  local routes
+  routes=$(IFS=,; echo "${NB_ROUTES[*]}")
+  run_eval nb-ml-100k ml-100k 3 "$NB_CORE,$routes,$NB_EXTRA" --seeds 0,1,2 "${cap[@]}"
+  pack ml-100k "*ml-100k*"
+}
+
+plan_proteus() {
+  local cap=(--set train.max_seconds="${MAX_S:-600}")
+  run_eval pr-ml-1m ml-1m "${PR_JOBS:-15}" "$PR_1M" --seeds 0,1,2 "${cap[@]}"
+  run_eval pr-ml-100k ml-100k 7 "$PR_100K" --seeds 0,1,2 "${cap[@]}"
+  pack pr-ml-1m pr-ml-1m
+  pack ml-100k "*ml-100k*"
+}
+
+plan_issue12() {
+  plan_notebank
+  plan_proteus
+}
+
+plan_smoke12() {  # every new mechanism once on ML-100K, briefly (REPLAY_STEPS=20): CUDA paths
+  local cap=(--set train.max_seconds="${MAX_S:-60}") routes
+  routes=$(IFS=,; echo "${NB_ROUTES[*]}")
+  run_eval smoke12-nb ml-100k 1 "$NB_CORE,$routes,$NB_EXTRA" "${cap[@]}"
+  run_eval smoke12-pr ml-100k 6 "$PR_100K" "${cap[@]}"
+}
 
 plan_smoke() {  # the CUDA paths and training speed, before a long plan
   run_eval smoke-ml-1m ml-1m 4 "sasrec,$MAC,$NO_HYBRID" --set train.max_seconds="${MAX_S:-120}"
@@ -71,10 +161,14 @@ run)
   date -u +%FT%TZ >$W/started
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 20 >$W/smi.csv &
   SMI=$!
+  # per-process GPU memory, for sizing how many trainings share the GPU
+  nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv -l 20 >$W/apps.csv &
+  APPS=$!
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # many processes share the GPU
   PIDS=()
   "plan_$2"
   wait "${PIDS[@]}"
-  kill $SMI
+  kill $SMI $APPS
   date -u +%FT%TZ >$W/DONE
   ;;
 wait)
@@ -83,12 +177,20 @@ wait)
   for f in $W/logs/*.log; do echo "== $f"; tr '\r' '\n' <"$f" | grep -E "INFO|Error|error" | tail -n 4; done
   tail -n 3 $W/smi.csv
   [ -f $W/DONE ] && echo "ALL DONE" || echo "STILL RUNNING"
-  # one archive per evaluation (files come back at most 16 MB each, 8 in all)
+  # one archive per evaluation, or per group a plan packs (files come back at most 16 MB
+  # each, 8 in all)
   tar czf "$OUT/logs.tgz" -C $W --exclude=./src --exclude=./site --exclude=./data \
     --exclude=./out . 
-  for d in $W/out/*/; do
-    tar czf "$OUT/$(basename "$d").tgz" -C $W/out --exclude='split.npz' "$(basename "$d")"
-  done
+  if [ -f $W/packs ]; then
+    sort -u $W/packs | while read -r name globs; do
+      (cd $W/out && shopt -s nullglob && eval "dirs=($globs)" && [ ${#dirs[@]} -gt 0 ] &&
+        tar czf "$OUT/$name.tgz" --exclude='split.npz' --exclude='model.safetensors' "${dirs[@]}")
+    done
+  else
+    for d in $W/out/*/; do
+      tar czf "$OUT/$(basename "$d").tgz" -C $W/out --exclude='split.npz' "$(basename "$d")"
+    done
+  fi
   ls -la "$OUT"
   ;;
 *)

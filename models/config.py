@@ -47,6 +47,26 @@ class MemoryConfig:
     (models/memory/training.py)."""
     chunk_size: int = 16
     """Chunk length of the chunked (parallel) form used for training."""
+    unlock: str = "uniform"
+    """When Proteus opens the next key block (models/memory/schedule.py): uniform = every
+    Delta = N // E events (the schedule above); surprise = after every Delta-th event, when
+    the mean over those Delta events of the memory's surprise (its key-value loss on the
+    event before the write, ||S^T k~ - v||^2 / ||v||^2) is at least ``unlock_threshold``
+    times the user's running level (the mean of its interval means so far); drift = the
+    same with interest drift (1 - cos of the event's item embedding with the sum of the
+    previous W events'; needs a hybrid head's window); narrow = never (one block, K / E
+    rows, stays open: the fixed-narrow-capacity control). surprise and drift keep per user
+    and layer the unlock count and the signal's sums in the state. Static capacity is
+    E = 1."""
+    unlock_threshold: float = 1.0
+    """Threshold of the surprise / drift unlock rule, relative to the user's running level
+    of the signal: 1 = unlock when the last Delta events were at least as surprising (or
+    drifting) as usual for the user; 0 = always (the uniform schedule); inf = never."""
+    block_order: str = "prefix"
+    """Which blocks open, in what order: prefix = 0, 1, 2, ...; reverse = E-1, E-2, ...
+    (relabelled key rows: the same model in distribution, a seed-noise control); random =
+    a random order per user, keyed on the user's first event. Orders other than prefix need
+    key_dim divisible by n_blocks."""
 
 
 @dataclass
@@ -77,6 +97,19 @@ class ModelConfig:
     """What the read-out knows of the request's time ("now"; offline, the target's own
     timestamp): none; gap = the time since the user's latest event (and, with a hybrid, the
     age of each window event); gap_clock = gap plus the hour of day and day of week (UTC)."""
+    replay_fusion: str = "none"
+    """How a NoteBank replay's memory read-out r is combined with the live one m
+    (models/fusion.py): none = r replaces m (the rank path without a learned fusion); gate =
+    m + a * sigmoid(W [m; r] + b) * (r - m); lowrank = m + B A [m; r] of rank
+    ``replay_rank``. Both learned ones start as "no replay" and are trained by replay-aware
+    training (``train.replay_steps``)."""
+    replay_rank: int = 8
+    """Rank of the ``lowrank`` replay fusion."""
+    route_dim: int = 0
+    """0: the NoteBank addresses notes with the masked queries q~ themselves (the archive's
+    fixed coordinate selection P, ``archive.address_dim``); d > 0: with a learned projection
+    of q~ per layer and head to d dimensions, trained by replay-aware training's routing loss
+    (models/fusion.py RouteProjection)."""
 
 
 @dataclass
@@ -124,10 +157,24 @@ class TrainConfig:
     captured once in a CUDA graph and replayed (models/train_step.py). Off: on the H200
     (torch 2.11) the capture fails, because two backward passes read a value on the host
     (the embedding backward counts its distinct rows, cumprod's checks for zeros); a failed
-    capture falls back to eager steps. Not with the sampled loss or proteus_ffn_mask; no
-    effect on the CPU."""
+    capture falls back to eager steps. Not with the sampled loss, proteus_ffn_mask or an
+    adaptive unlock schedule (memory.unlock surprise | drift); no effect on the CPU."""
     proteus_ffn_mask: bool = False
     """Paper section 2.4: apply the Proteus prefix mask (E = memory.n_blocks) to the
     feed-forward weight updates of the memory model, keyed on the optimizer step."""
     proteus_ffn_horizon: int = 2000
     """Optimizer steps after which every feed-forward block is open (with proteus_ffn_mask)."""
+    replay_steps: int = 0
+    """Replay-aware training (offline_eval/replay_training.py): after the base training,
+    this many optimizer steps in which a share of each batch's targets is scored through a
+    NoteBank replay (the archive as it stood before the target, routed by
+    ``archive.routing``, replayed on a copy of the state, the read-outs combined by the
+    model's ``model.replay_fusion``); 0 = off. Needs a replay fusion or a routing
+    projection to train."""
+    replay_share: float = 0.25
+    """Share of each user's eligible targets (those after its first closed chunk) replayed
+    in a replay-aware step."""
+    replay_freeze: bool = True
+    """Replay-aware training trains only the replay fusion and the routing projection; the
+    base model keeps its weights (so replay off answers exactly as before). False: every
+    weight trains on the replayed targets and, without replay, on the same targets."""

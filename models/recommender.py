@@ -10,6 +10,7 @@ exact no-ops on the state.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -19,9 +20,20 @@ from torch import nn
 from models.config import MemoryConfig, ModelConfig
 from models.embeddings import EventEmbeddings
 from models.features import previous_ts, time_gap_buckets
+from models.fusion import ReplayFusion, RouteProjection, check_fusion_config
 from models.hybrid import ReadHead
 from models.memory.ops import memory_readout, memory_scan
 from models.memory.recurrent import at_last_event, event_positions, masked_qk
+from models.memory.schedule import (
+    UnlockSchedule,
+    adaptive_scan,
+    block_order,
+    check_schedule_config,
+    drift_signal,
+    order_keys,
+    permute_rows,
+    row_order,
+)
 from models.memory.training import check_train_backend
 from models.sequences import EventSeqs
 from models.state import NO_ITEM, MemoryState
@@ -40,6 +52,35 @@ class AdvanceResult:
     user: torch.Tensor | None = None
 
 
+@dataclass
+class LayerPlan:
+    """One call's unlock-schedule inputs of a layer (models/memory/schedule.py): ``rows``
+    [B, K] each user's key rows in opening order (block orders; None: as they are);
+    ``unlocks`` [B], ``acc`` [B, 2] the layer's unlock count and signal sums (surprise |
+    drift);
+    ``signal`` [B, T] the drift of the new events (None: surprise)."""
+
+    rows: torch.Tensor | None = None
+    unlocks: torch.Tensor | None = None
+    acc: torch.Tensor | None = None
+    signal: torch.Tensor | None = None
+
+
+@dataclass
+class LayerScan:
+    """A layer's memory scan: read y [B, T, H, V], state after it, the positions whose
+    uniform-schedule mask each event ran with ([B, T], 0 at padding) and that mask's horizon,
+    and the new unlock count and signal sum (adaptive schedules, else None)."""
+
+    y: torch.Tensor
+    S: torch.Tensor
+    M: torch.Tensor | None
+    positions: torch.Tensor
+    horizon: int
+    unlocks: torch.Tensor | None = None
+    acc: torch.Tensor | None = None
+
+
 class MemoryLayer(nn.Module):
     """One layer: projections to q, k, v and gates per head, the memory scan, then output
     projection + residual + LayerNorm and a small feed-forward block."""
@@ -50,6 +91,9 @@ class MemoryLayer(nn.Module):
         self.H, self.K, self.V = H, K, V
         self.mem = mem
         check_train_backend(mem.train_backend, mem.momentum)
+        window = model.window if model.hybrid != "none" else 0
+        check_schedule_config(mem.unlock, mem.block_order, K, mem.n_blocks, window)
+        self.sched = UnlockSchedule.from_config(mem)
         self.qkv = nn.Linear(D, H * (2 * K + V))
         n_gates = 3 if mem.momentum else 2
         self.gates = nn.Linear(D, H * n_gates)
@@ -94,6 +138,58 @@ class MemoryLayer(nn.Module):
             alpha,
         )
 
+    def project_keys(
+        self, x: torch.Tensor, plan: LayerPlan | None
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor
+    ]:
+        """``project`` with each user's key rows in its block order (``plan.rows``)."""
+        q, k, v, theta, eta, alpha = self.project(x)
+        if plan is not None and plan.rows is not None:
+            q, k = permute_rows(q, plan.rows), permute_rows(k, plan.rows)
+        return q, k, v, theta, eta, alpha
+
+    def scan(
+        self,
+        qkv: tuple[
+            torch.Tensor,
+            torch.Tensor,
+            torch.Tensor,
+            torch.Tensor,
+            torch.Tensor | None,
+            torch.Tensor,
+        ],
+        S0: torch.Tensor,
+        M0: torch.Tensor | None,
+        pos0: torch.Tensor,
+        lengths: torch.Tensor,
+        plan: LayerPlan | None,
+        backend: str,
+        training: bool,
+    ) -> LayerScan:
+        """The memory scan of projected events under the layer's unlock schedule."""
+        mem = self.mem
+        sched = self.sched
+        if sched.adaptive:
+            assert plan is not None and plan.unlocks is not None and plan.acc is not None
+            res = adaptive_scan(
+                *qkv, S0, M0, pos0, lengths, plan.unlocks, plan.acc,
+                sched=sched, qk_l2norm=mem.qk_l2norm,
+                scan=partial(memory_scan, backend=backend, training=training,
+                             chunk_size=mem.chunk_size),
+                probe=partial(memory_scan, backend=mem.backend, chunk_size=mem.chunk_size),
+                signal=plan.signal,
+            )  # fmt: skip
+            return LayerScan(res.y, res.S, res.M, res.positions, sched.horizon,
+                             res.unlocks, res.acc)  # fmt: skip
+        y, S, M = memory_scan(
+            *qkv, S0, M0, pos0, lengths,
+            n_blocks=mem.n_blocks, horizon=sched.scan_horizon, qk_l2norm=mem.qk_l2norm,
+            backend=backend, training=training, chunk_size=mem.chunk_size,
+        )  # fmt: skip
+        T = qkv[0].shape[1]
+        return LayerScan(y, S, M, event_positions(pos0, lengths, T), sched.scan_horizon)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -102,37 +198,21 @@ class MemoryLayer(nn.Module):
         pos0: torch.Tensor,
         lengths: torch.Tensor,
         return_kq: bool = False,
-    ) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None
-    ]:
-        B, T, _ = x.shape
-        q, k, v, theta, eta, alpha = self.project(x)
-        mem = self.mem
+        plan: LayerPlan | None = None,
+    ) -> tuple[torch.Tensor, LayerScan, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(layer output [B, T, D], the scan, (k~, q~) when asked)."""
+        qkv = self.project_keys(x, plan)
         training = self.training and torch.is_grad_enabled()
-        y, S, M = memory_scan(
-            q,
-            k,
-            v,
-            theta,
-            eta,
-            alpha,
-            S0,
-            M0,
-            pos0,
-            lengths,
-            n_blocks=mem.n_blocks,
-            horizon=mem.horizon,
-            qk_l2norm=mem.qk_l2norm,
-            backend=mem.train_backend if training else mem.backend,
-            training=training,
-            chunk_size=mem.chunk_size,
-        )
+        backend = self.mem.train_backend if training else self.mem.backend
+        res = self.scan(qkv, S0, M0, pos0, lengths, plan, backend, training)
         kq = None
         if return_kq:
-            positions = event_positions(pos0, lengths, T)
-            qt, kt, _ = masked_qk(q, k, positions, mem.n_blocks, mem.horizon, mem.qk_l2norm)
+            mem = self.mem
+            qt, kt, _ = masked_qk(
+                qkv[0], qkv[1], res.positions, mem.n_blocks, res.horizon, mem.qk_l2norm
+            )
             kq = (kt.detach(), qt.detach())
-        return self._mix(x, y), S, M, kq
+        return self._mix(x, res.y), res, kq
 
     def forward_readout(
         self,
@@ -142,17 +222,25 @@ class MemoryLayer(nn.Module):
         pos0: torch.Tensor,
         lengths: torch.Tensor,
         last_only: bool = False,
+        plan: LayerPlan | None = None,
     ) -> torch.Tensor:
         """``forward``'s output [B, T, D] without the state after the events (no autograd;
         ``memory_readout``): what a replay on a copy of the state needs. ``last_only``:
-        only each user's output at its last event, [B, 1, D]."""
-        q, k, v, theta, eta, alpha = self.project(x)
+        only each user's output at its last event, [B, 1, D]. Under an adaptive schedule
+        the read-out runs the schedule's scan (its decisions need the states)."""
+        qkv = self.project_keys(x, plan)
         mem = self.mem
-        y = memory_readout(
-            q, k, v, theta, eta, alpha, S0, M0, pos0, lengths,
-            n_blocks=mem.n_blocks, horizon=mem.horizon, qk_l2norm=mem.qk_l2norm,
-            backend=mem.backend, chunk_size=mem.chunk_size, last_only=last_only,
-        )  # fmt: skip
+        if self.sched.adaptive:
+            y = self.scan(qkv, S0, M0, pos0, lengths, plan, mem.backend, False).y
+            if last_only:
+                y = at_last_event(y, lengths)[:, None]
+        else:
+            y = memory_readout(
+                *qkv, S0, M0, pos0, lengths,
+                n_blocks=mem.n_blocks, horizon=self.sched.scan_horizon,
+                qk_l2norm=mem.qk_l2norm, backend=mem.backend, chunk_size=mem.chunk_size,
+                last_only=last_only,
+            )  # fmt: skip
         if last_only:
             x = at_last_event(x, lengths)[:, None]
         return self._mix(x, y.to(x.dtype))
@@ -166,15 +254,24 @@ class MemoryLayer(nn.Module):
             h = self.norm2(h + self.dropout(self.ffn(h)))
         return h
 
-    def read(self, x: torch.Tensor, S: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def read(
+        self,
+        x: torch.Tensor,
+        S: torch.Tensor,
+        positions: torch.Tensor,
+        plan: LayerPlan | None = None,
+    ) -> torch.Tensor:
         """Read-only pass of one event per user: x [B, D], S [B, H, K, V], positions [B]
-        (lifetime position the event is read at, >= 1). The layer's q is masked and
-        normalised exactly as the scan does (``masked_qk``), the read is y = S^T q~ and no
-        state changes. Equals the scan's output for an event whose write is a no-op
-        (theta = 0, alpha = 0, no momentum step). Returns the layer output [B, D]."""
-        q = self.project(x[:, None])[0]  # [B, 1, H, K]
+        (lifetime position the event is read at, >= 1; under an adaptive schedule a
+        position whose uniform mask is the user's, ``MemoryRecommender.read_only``). The
+        layer's q is masked and normalised exactly as the scan does (``masked_qk``), the
+        read is y = S^T q~ and no state changes. Equals the scan's output for an event
+        whose write is a no-op (theta = 0, alpha = 0, no momentum step). Returns the layer
+        output [B, D]."""
+        q = self.project_keys(x[:, None], plan)[0]  # [B, 1, H, K]
         mem = self.mem
-        qt, _, _ = masked_qk(q, q, positions[:, None], mem.n_blocks, mem.horizon, mem.qk_l2norm)
+        horizon = mem.horizon if self.sched.adaptive else self.sched.scan_horizon
+        qt, _, _ = masked_qk(q, q, positions[:, None], mem.n_blocks, horizon, mem.qk_l2norm)
         y = torch.einsum("bthk,bhkv->bthv", qt, S.to(qt.dtype))
         return self._mix(x[:, None], y)[:, 0]
 
@@ -202,9 +299,22 @@ class MemoryRecommender(nn.Module):
         self.embed_norm = nn.LayerNorm(D)
         self.embed_dropout = nn.Dropout(model.dropout)
         self.layers = nn.ModuleList([MemoryLayer(mem, model) for _ in range(mem.n_layers)])
+        self.sched = UnlockSchedule.from_config(mem)
         self.head = ReadHead(model)
         self.use_kjt = False
         """Look event features up through torchrec's KJT path (see EventEmbeddings)."""
+        check_fusion_config(model.replay_fusion, model.replay_rank, model.route_dim, mem.key_dim)
+        self.fusion: ReplayFusion | None = None
+        self.route_proj: RouteProjection | None = None
+        # drawn from a fork of the random state: the base model and its training draw the
+        # same numbers with or without these modules (replay off is the same model)
+        with torch.random.fork_rng(devices=[]):
+            if model.replay_fusion != "none":
+                self.fusion = ReplayFusion(model.replay_fusion, D, model.replay_rank)
+            if model.route_dim > 0:
+                self.route_proj = RouteProjection(
+                    mem.n_layers * mem.n_heads, mem.key_dim, model.route_dim
+                )
 
     @property
     def embed_dim(self) -> int:
@@ -223,6 +333,8 @@ class MemoryRecommender(nn.Module):
             window=self.head.window,
             device=device,
             dtype=self.head.readout.weight.dtype,
+            adaptive=self.sched.adaptive,
+            keyed_order=self.sched.keyed,
         )
 
     def item_weight(self) -> torch.Tensor:
@@ -249,12 +361,16 @@ class MemoryRecommender(nn.Module):
             return AdvanceResult(state, z, None, None if request_ts is None else z)
         x, valid, gaps = self._event_inputs(items, actions, ts_ms, lengths, state)
         tokens = x
-        Ss, Ms, ks, qs = [], [], [], []
+        plans, order_key = self._schedule_plans(state, items, ts_ms, lengths)
+        Ss, Ms, ks, qs, unlocks, accs = [], [], [], [], [], []
         for li, layer in enumerate(self.layers):
             M0 = None if state.M is None else state.M[:, li]
-            x, S, M, kq = layer(x, state.S[:, li], M0, state.pos, lengths, return_kq)
-            Ss.append(S)
-            Ms.append(M)
+            plan = None if plans is None else plans[li]
+            x, res, kq = layer(x, state.S[:, li], M0, state.pos, lengths, return_kq, plan)
+            Ss.append(res.S)
+            Ms.append(res.M)
+            unlocks.append(res.unlocks)
+            accs.append(res.acc)
             if kq is not None:
                 ks.append(kq[0])
                 qs.append(kq[1])
@@ -270,12 +386,63 @@ class MemoryRecommender(nn.Module):
             last_ts=last_ts,
             h=h,
             **window,
+            unlocks=_stacked(unlocks),
+            unlock_acc=_stacked(accs),
+            order_key=order_key,
         )
         kq_out = (torch.stack(ks, dim=2), torch.stack(qs, dim=2)) if return_kq else None
         user = None
         if request_ts is not None:
             user = self._head(out, ts_ms, request_ts, state, tokens, valid, ts_ms)
         return AdvanceResult(new_state, out, kq_out, user)
+
+    def _schedule_plans(
+        self,
+        state: MemoryState,
+        items: torch.Tensor,
+        ts_ms: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> tuple[list[LayerPlan] | None, torch.Tensor | None]:
+        """Each layer's unlock-schedule inputs for new events [B, T] (None: the uniform
+        schedule in prefix order needs none) and the users' block-order keys after them
+        (a user's first event sets its key)."""
+        sched = self.sched
+        key = state.order_key
+        if not sched.adaptive and sched.order == "prefix":
+            return None, key
+        B = items.shape[0]
+        if sched.keyed:
+            assert key is not None, "the state lacks its block-order keys"
+            fresh = (state.pos == 0) & (lengths > 0)
+            key = torch.where(fresh, order_keys(items[:, 0], ts_ms[:, 0]), key)
+        blocks = block_order(sched, key, B, items.device)
+        rows = None if blocks is None else row_order(blocks, self.mem_cfg.key_dim)
+        signal = self._drift(state, items, lengths) if sched.unlock == "drift" else None
+        plans = []
+        for li in range(len(self.layers)):
+            plans.append(
+                LayerPlan(
+                    rows,
+                    None if state.unlocks is None else state.unlocks[:, li],
+                    None if state.unlock_acc is None else state.unlock_acc[:, li],
+                    signal,
+                )
+            )
+        return plans, key
+
+    @torch.no_grad()
+    def _drift(
+        self, state: MemoryState, items: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """[B, T] interest drift of new events against the state's window and the new events
+        before them (``schedule.drift_signal``), on the item embedding table."""
+        table = self.embed.item_weight()
+        T = items.shape[1]
+        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
+        new = F.embedding(torch.where(valid, items, 0), table)
+        ok = state.win_items != NO_ITEM
+        old = F.embedding(torch.where(ok, state.win_items, 0), table)
+        return drift_signal(new, valid, old, ok)
 
     def _window_tokens(self, state: MemoryState) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [B, W, D] of the state's window events (as the memory layers took them
@@ -362,18 +529,45 @@ class MemoryRecommender(nn.Module):
         return MemoryState.from_fields(fields)
 
     def read_user(
-        self, state: MemoryState, request_ts: torch.Tensor, mem: torch.Tensor | None = None
+        self,
+        state: MemoryState,
+        request_ts: torch.Tensor,
+        mem: torch.Tensor | None = None,
+        replayed: torch.Tensor | None = None,
+        replayed_ok: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """User vectors [B, D] of ``state`` for requests at ``request_ts`` [B] (ms): the head
-        over the stored memory read-out (or ``mem`` [B, D], e.g. after a replay) and the
-        stored window; what ``advance`` gives for the latest event at the same request time."""
-        m = (state.h if mem is None else mem)[:, None]
+        over the stored memory read-out (or ``mem`` [B, D], e.g. after a request's context
+        events) and the stored window; what ``advance`` gives for the latest event at the
+        same request time. ``replayed`` [B, D]: the read-out after a NoteBank replay, for the
+        rows ``replayed_ok`` [B] (default all), combined with the live one by ``fuse``."""
+        m = state.h if mem is None else mem
+        if replayed is not None:
+            fused = self.fuse(m, replayed)
+            m = fused if replayed_ok is None else torch.where(replayed_ok[:, None], fused, m)
+        m = m[:, None]
         req = request_ts[:, None]
         last = state.last_ts[:, None]
         if self.head.window == 0:
             return self.head(m, last, req)[:, 0]
         tokens, ok = self._window_tokens(state)
         return self.head(m, last, req, tokens, state.win_ts, ok, state.window - 1)[:, 0]
+
+    def fuse(self, live: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:
+        """The memory read-out the head reads after a replay: the learned fusion of the live
+        and the replayed read-out (``model.replay_fusion``), or without one the replayed."""
+        return replayed if self.fusion is None else self.fusion(live, replayed)
+
+    @property
+    def route_dim(self) -> int:
+        """Dimensions of the routing queries ``route_features`` gives (K without a learned
+        projection)."""
+        return self.mem_cfg.key_dim if self.route_proj is None else self.model_cfg.route_dim
+
+    def route_features(self, q_tilde: torch.Tensor) -> torch.Tensor:
+        """The NoteBank's query features of masked queries q~ [..., L, H, K]: q~ itself, or
+        its learned projection (``model.route_dim``) [..., L, H, d]."""
+        return q_tilde if self.route_proj is None else self.route_proj(q_tilde)
 
     def _event_inputs(
         self,
@@ -419,14 +613,16 @@ class MemoryRecommender(nn.Module):
         if T == 0:
             return state.h.clone()
         x, _, _ = self._event_inputs(items, actions, ts_ms, lengths, state)
+        plans, _ = self._schedule_plans(state, items, ts_ms, lengths)
         top = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
             assert isinstance(layer, MemoryLayer)
             M0 = None if state.M is None else state.M[:, li]
             # the last layer is only read at each user's last event
             x = layer.forward_readout(
-                x, state.S[:, li], M0, state.pos, lengths, last_only=li == top
-            )
+                x, state.S[:, li], M0, state.pos, lengths, last_only=li == top,
+                plan=None if plans is None else plans[li],
+            )  # fmt: skip
         return torch.where((lengths > 0)[:, None], x[:, 0], state.h)
 
     def read_only(
@@ -460,9 +656,18 @@ class MemoryRecommender(nn.Module):
         ones = torch.ones_like(items)
         x = self.embed(items[:, None], actions[:, None], gaps[:, None], ones, use_kjt=self.use_kjt)
         x = self.embed_dropout(self.embed_norm(x))[:, 0]
+        plans, _ = self._schedule_plans(
+            state, items[:, None], ts_ms[:, None], torch.zeros_like(items)
+        )
+        sched = self.sched
         for li, layer in enumerate(self.layers):
             assert isinstance(layer, MemoryLayer)
-            x = layer.read(x, state.S[:, li], pos)
+            at = pos
+            if sched.adaptive and state.unlocks is not None:
+                # a position whose uniform mask is the layer's open blocks
+                n_open = torch.clamp(state.unlocks[:, li] + 1, max=sched.n_blocks)
+                at = (n_open - 1) * sched.delta + 1
+            x = layer.read(x, state.S[:, li], at, None if plans is None else plans[li])
         return x
 
     def score(self, user_vec: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:
@@ -497,6 +702,12 @@ class MemoryRecommender(nn.Module):
             return _gather_user_vectors(self, seqs, rows, req, batch_users)
         finally:
             self.train(was_training)
+
+
+def _stacked(per_layer: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """[B, L] from one [B] tensor per layer, or None when the layers have none."""
+    kept = [t for t in per_layer if t is not None]
+    return torch.stack(kept, dim=1) if kept else None
 
 
 def next_event_ts(seqs: EventSeqs, rows: np.ndarray) -> np.ndarray:

@@ -10,6 +10,9 @@ import torch
 NO_ITEM = -1
 """``win_items`` of an empty window slot (a user with fewer than W events)."""
 
+OPTIONAL_FIELDS = ("M", "unlocks", "unlock_acc", "order_key")
+"""Fields a state may lack (None): momentum, and the unlock schedules' own."""
+
 
 @dataclass
 class MemoryState:
@@ -25,8 +28,15 @@ class MemoryState:
     column W - 1 is the latest event; empty slots hold item NO_ITEM and ts -1. W = 0 (no
     window) gives [B, 0] tensors.
 
-    Every field is a tensor whose first dimension is the user (M may be None), so stores
-    and checkpoints handle a state generically through ``to_fields`` / ``from_fields``.
+    Optional fields of the unlock schedules (models/memory/schedule.py), None unless the
+    model's schedule needs them: unlocks [B, L] int64, the blocks each layer's memory has
+    unlocked beyond the first (memory.unlock surprise | drift), unlock_acc [B, L, 2] the
+    signal summed since that layer's last decision and the sum of its past interval means; order_key [B] int64, the key of the user's
+    block order (memory.block_order random).
+
+    Every field is a tensor whose first dimension is the user (M and the optional fields may
+    be None), so stores and checkpoints handle a state generically through ``to_fields`` /
+    ``from_fields``.
     """
 
     S: torch.Tensor
@@ -38,6 +48,9 @@ class MemoryState:
     win_actions: torch.Tensor
     win_gaps: torch.Tensor
     win_ts: torch.Tensor
+    unlocks: torch.Tensor | None = None
+    unlock_acc: torch.Tensor | None = None
+    order_key: torch.Tensor | None = None
 
     @classmethod
     def zeros(
@@ -52,7 +65,12 @@ class MemoryState:
         window: int = 0,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        *,
+        adaptive: bool = False,
+        keyed_order: bool = False,
     ) -> MemoryState:
+        """A batch of new users. ``adaptive``: with the unlock fields; ``keyed_order``: with
+        the block-order key."""
         shape = (batch, n_layers, n_heads, key_dim, value_dim)
 
         def ints(fill: int) -> torch.Tensor:
@@ -68,6 +86,15 @@ class MemoryState:
             win_actions=ints(0),
             win_gaps=ints(0),
             win_ts=ints(-1),
+            unlocks=(
+                torch.zeros((batch, n_layers), dtype=torch.int64, device=device)
+                if adaptive
+                else None
+            ),
+            unlock_acc=(
+                torch.zeros((batch, n_layers, 2), device=device, dtype=dtype) if adaptive else None
+            ),
+            order_key=torch.zeros(batch, dtype=torch.int64, device=device) if keyed_order else None,
         )
 
     @property
@@ -76,15 +103,17 @@ class MemoryState:
         return int(self.win_items.shape[1])
 
     def to_fields(self) -> dict[str, torch.Tensor]:
-        """name -> tensor for every field present (M is left out when None)."""
+        """name -> tensor for every field present (M and the optional fields are left out
+        when None)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
     def from_fields(cls, f: dict[str, torch.Tensor]) -> MemoryState:
-        """Inverse of ``to_fields``; a missing M means no momentum."""
+        """Inverse of ``to_fields``; a missing M means no momentum, a missing optional
+        field that the schedule does not use it."""
         names = [x.name for x in fields(cls)]
-        missing = [n for n in names if n != "M" and n not in f]
+        missing = [n for n in names if n not in OPTIONAL_FIELDS and n not in f]
         if missing:
             raise ValueError(f"state fields missing: {missing}")
         return cls(**{n: f.get(n) for n in names})  # type: ignore[arg-type]

@@ -75,6 +75,9 @@ class TrainResult:
     targets: int = 0
     """Next-item targets trained on (summed over steps)."""
     stopped: str = "epochs"
+    replay: dict[str, object] = field(default_factory=dict)
+    """Replay-aware training after the base training (offline_eval/replay_training.py),
+    when it ran: steps, seconds, notes, history."""
 
     def targets_per_second(self) -> float:
         """Training throughput: targets per second of training, validation excluded."""
@@ -375,6 +378,7 @@ class MemoryEpoch:
             and device.type == "cuda"
             and tcfg.loss == "full"
             and not tcfg.proteus_ffn_mask
+            and not model.sched.adaptive  # its pieces are cut on the host
             and static_step_fits(self.batch_size, tcfg.segment_len, model.n_items)
         )
         if graphed:

@@ -29,22 +29,46 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHARED_TRAINING = ("memory-proteus", "memory-proteus-notebank")
-"""Model names whose specs with equal memory/model/train settings share one training."""
+"""Model names whose specs with equal memory/model/train settings share one training (and
+whose replay variants, which differ only in REPLAY_FIELDS, share its base training)."""
+
+REPLAY_FIELDS = {
+    "model": ("replay_fusion", "replay_rank", "route_dim"),
+    "train": ("replay_steps", "replay_share", "replay_freeze"),
+}
+"""The settings of replay-aware training (offline_eval/replay_training.py): they add
+modules and a training stage after the base training, but leave the base alone."""
+
+
+def base_training_key(cfg: Config) -> str:
+    """What decides a memory model's base training: its memory, model and train sections
+    without the replay settings."""
+    sections = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("memory", "model", "train")}
+    for section, names in REPLAY_FIELDS.items():
+        for name in names:
+            sections[section].pop(name)
+    return repr(sorted(sections.items()))
+
+
+def replay_training_key(cfg: Config) -> str:
+    """What decides the trained weights: the base and the replay settings, and with a replay
+    stage the archive and query settings it routes with."""
+    parts = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("memory", "model", "train")}
+    if cfg.train.replay_steps > 0:
+        parts["archive"] = dataclasses.asdict(cfg.archive)
+        parts["query_events"] = {"n": cfg.server.replay_query_events}
+    return repr(sorted(parts.items()))
 
 
 def training_groups(
     specs: dict[str, tuple[str, list[str]]], config_of: Callable[[list[str]], Config]
 ) -> list[list[str]]:
-    """Specs in request order, grouped so that specs sharing a training run together."""
+    """Specs in request order, grouped so that specs sharing a (base) training run together."""
     groups: dict[Any, list[str]] = {}
     for spec, (name, overrides) in specs.items():
         key: Any = spec
         if name in SHARED_TRAINING:
-            cfg = config_of(overrides)
-            sections = {
-                s: dataclasses.asdict(getattr(cfg, s)) for s in ("memory", "model", "train")
-            }
-            key = ("shared", repr(sorted(sections.items())))
+            key = ("shared", base_training_key(config_of(overrides)))
         groups.setdefault(key, []).append(spec)
     return list(groups.values())
 

@@ -27,9 +27,10 @@ from typing import Any
 
 from models.recommender import MemoryRecommender
 from models.sasrec import SASRec
-from models.train import TrainResult, pick_device
+from models.train import TrainResult, pick_device, seed_everything
 from offline_eval.baselines import make_pop
 from offline_eval.evaluate import Scorer
+from offline_eval.jobs import REPLAY_FIELDS, base_training_key, replay_training_key
 from offline_eval.split import TimeSplit
 from offline_eval.training import train_on_split
 from recmem.config import Config
@@ -134,6 +135,8 @@ def _describe(kind: str, cfg: Config, result: TrainResult) -> dict[str, Any]:
         "train_targets_per_s": result.targets_per_second(),
         "history": result.history,
     }
+    if result.replay:
+        out["replay_training"] = result.replay
     if kind == "memory":
         out["memory"] = dataclasses.asdict(cfg.memory)
     return out
@@ -158,6 +161,10 @@ _last_memory: tuple[tuple[int, str], MemoryRecommender | SASRec, TrainResult] | 
 """The latest memory-proteus training (split id, training settings): memory-proteus and
 memory-proteus-notebank of one ``recmem eval`` share it, so replay is compared on the same
 weights (and trained once)."""
+
+_last_base: tuple[tuple[int, str], MemoryRecommender, TrainResult] | None = None
+"""The latest base training (split id, settings without the replay ones): replay variants
+(fusions, routing projections, replay-aware training) of one worker start from it."""
 
 
 def load_checkpoint_for_split(
@@ -192,17 +199,74 @@ def load_checkpoint_for_split(
 def _train_memory_proteus(
     split: TimeSplit, cfg: Config
 ) -> tuple[MemoryRecommender | SASRec, TrainResult, bool]:
-    global _last_memory
-    if cfg.eval.checkpoint:
-        loaded, result = load_checkpoint_for_split(split, cfg)
-        return loaded, result, False
-    sections = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("memory", "model", "train")}
-    key = (id(split), repr(sorted(sections.items())))
+    """The memory model of ``cfg``: trained (or loaded from ``eval.checkpoint``) once per
+    base setting, then given the replay modules and replay-aware training of ``cfg``
+    (offline_eval/replay_training.py) on top of those weights; (model, result, whether this
+    exact training was done before in this process)."""
+    global _last_memory, _last_base
+    key = (id(split), replay_training_key(cfg))
     if _last_memory is not None and _last_memory[0] == key:
         return _last_memory[1], _last_memory[2], True
-    model, result = train_on_split(split, cfg, "memory")
+    base_key = (id(split), base_training_key(cfg) + cfg.eval.checkpoint)
+    if _last_base is not None and _last_base[0] == base_key:
+        base, base_result = _last_base[1], _last_base[2]
+    else:
+        base_cfg = copy.deepcopy(cfg)
+        for section, names in REPLAY_FIELDS.items():
+            defaults = type(getattr(base_cfg, section))()
+            for name in names:
+                setattr(getattr(base_cfg, section), name, getattr(defaults, name))
+        if cfg.eval.checkpoint:
+            loaded, base_result = load_checkpoint_for_split(split, base_cfg)
+            base = loaded
+        else:
+            trained, base_result = train_on_split(split, base_cfg, "memory")
+            assert isinstance(trained, MemoryRecommender)
+            base = trained
+        _last_base = (base_key, base, base_result)
+    if cfg.eval.checkpoint:
+        # the checkpoint's memory and model sections become the configured ones (the
+        # caller's copy), less the replay settings the spec asks for
+        keep = {n: getattr(cfg.model, n) for n in REPLAY_FIELDS["model"]}
+        backend = cfg.memory.backend
+        cfg.memory, cfg.model = copy.deepcopy(base.mem_cfg), copy.deepcopy(base.model_cfg)
+        cfg.memory.backend = backend
+        for name, value in keep.items():
+            setattr(cfg.model, name, value)
+    model, result = base, base_result
+    if any(
+        getattr(getattr(cfg, s), n) != getattr(type(getattr(cfg, s))(), n)
+        for s, names in REPLAY_FIELDS.items()
+        for n in names
+    ):
+        model, result = _replay_variant(split, cfg, base, base_result)
     _last_memory = (key, model, result)
     return model, result, False
+
+
+def _replay_variant(
+    split: TimeSplit, cfg: Config, base: MemoryRecommender, base_result: TrainResult
+) -> tuple[MemoryRecommender, TrainResult]:
+    """``base``'s weights in a model built with ``cfg``'s replay modules, after its
+    replay-aware training."""
+    from offline_eval.replay_training import train_replay
+
+    device = next(base.parameters()).device
+    seed_everything(cfg.train.seed)
+    model = MemoryRecommender(split.n_items, split.vocab.n_oov, cfg.memory, cfg.model).to(device)
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    new = ("fusion.", "route_proj.")
+    if unexpected or any(not k.startswith(new) for k in missing):
+        raise ValueError(f"replay variant: weights do not fit ({missing}, {unexpected})")
+    model.eval()
+    result = copy.deepcopy(base_result)
+    if cfg.train.replay_steps > 0:
+        replay = train_replay(
+            model, split.seqs, split.train_prefix_lengths(), cfg, split.item_cat, device
+        )
+        result.replay = replay.as_dict()
+        result.train_seconds += replay.seconds
+    return model, result
 
 
 def make_memory_proteus(split: TimeSplit, cfg: Config) -> tuple[Scorer, float, dict[str, Any]]:
@@ -223,7 +287,7 @@ def make_memory_proteus_notebank(
     cfg = copy.deepcopy(cfg)
     model, result, shared = _train_memory_proteus(split, cfg)
     assert isinstance(model, MemoryRecommender)
-    scorer = NotebankScorer(model, cfg, split.vocab)
+    scorer = NotebankScorer(model, cfg, split.vocab, item_categories=split.item_cat)
     info = _describe("memory", cfg, result)
     info["reused_training"] = shared
     if cfg.eval.checkpoint:

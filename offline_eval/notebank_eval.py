@@ -50,6 +50,7 @@ class NotebankScorer:
         *,
         replay_notes: int | None = None,
         batch_users: int = 256,
+        item_categories: np.ndarray | None = None,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -61,6 +62,7 @@ class NotebankScorer:
             vocab if vocab is not None else ItemVocab([str(i) for i in range(model.n_items)], 1)
         )
         self.batch_users = batch_users
+        self.item_categories = item_categories
         self.stats: dict[str, float] = {
             "queries": 0,
             "replayed": 0,
@@ -77,6 +79,8 @@ class NotebankScorer:
         return {
             "replay_notes": self.R,
             "replay_query_events": self.query_events,
+            "routing": self.cfg.archive.routing,
+            "replay_fusion": self.model.model_cfg.replay_fusion,
             "archive": dataclasses.asdict(self.cfg.archive),
             "stats": self.stats,
         }
@@ -114,9 +118,16 @@ class NotebankScorer:
         device = next(self.model.parameters()).device
         store = UserStateStore(layout, max(1, n_users), 0, spill, device)
         mem = cfg.memory
-        bank = NoteBank(cfg.archive, mem.key_dim, mem.n_layers * mem.n_heads, seed=cfg.train.seed)
+        bank = NoteBank(
+            cfg.archive, mem.key_dim, mem.n_layers * mem.n_heads, seed=cfg.train.seed,
+            query_dim=self.model.route_dim,
+        )  # fmt: skip
         engine = Engine(self.model, self.vocab, store, cfg, bank=bank)
-        return engine, Ranker(self.model, engine, None, self.query_events)
+        ranker = Ranker(
+            self.model, engine, None, self.query_events, routing=cfg.archive.routing,
+            route_candidates=cfg.archive.route_candidates, item_categories=self.item_categories,
+        )  # fmt: skip
+        return engine, ranker
 
     def _run_batch(
         self,

@@ -198,16 +198,22 @@ def _interval(r: dict[str, Any]) -> str:
 def _interval_lines(iv: dict[str, Any], models: dict[str, Any]) -> list[str]:
     """Each model's NDCG@10 minus the best baseline's, with its paired bootstrap interval."""
     pct = round(100 * iv["confidence"])
-    lines = ["", f"## NDCG@10 minus the best baseline's, paired bootstrap {pct}% interval (TEST)"]
+    whose = "the reference model's" if iv.get("chosen") else "the best baseline's"
+    lines = ["", f"## NDCG@10 minus {whose}, paired bootstrap {pct}% interval (TEST)"]
     lines += [""]
     if iv.get("note"):
         return lines + [f"No intervals: {iv['note']}."]
     base = iv["baseline"]
     baselines = [m for m, e in models.items() if available(e) and not is_memory_model(e)]
     seeds = models[base].get("seeds", [])
+    why = (
+        "the reference model chosen for this report (eval.interval_reference)"
+        if iv.get("chosen")
+        else "the best TEST NDCG@10 among the models that are not memory models "
+        f"({', '.join(baselines)})"
+    )
     lines += [
-        f"Baseline: **{base}**, the best TEST NDCG@10 among the models that are not memory models "
-        f"({', '.join(baselines)}). For each model, each target's NDCG@10 minus the baseline's on "
+        f"Baseline: **{base}**, {why}. For each model, each target's NDCG@10 minus the baseline's on "
         f"the same target (a model with several seeds enters with each target's NDCG@10 averaged "
         f"over its seeds{'; so does the baseline' if len(seeds) > 1 else ''}); the targets are "
         f"resampled with replacement {iv['resamples']} times (seed {iv['seed']}), the same "

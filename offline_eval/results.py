@@ -127,10 +127,12 @@ def paired_intervals(
     resamples: int = BOOTSTRAP_RESAMPLES,
     confidence: float = BOOTSTRAP_CONFIDENCE,
     seed: int = BOOTSTRAP_SEED,
+    reference: str | None = None,
 ) -> dict[str, Any]:
     """Each model's TEST NDCG@10 minus the best baseline's, per target on the same targets,
     with a paired bootstrap interval (offline_eval.stats) in each of GROUPS. The baseline is
-    the available non-memory model with the highest mean NDCG@10 overall; a model with
+    the available non-memory model with the highest mean NDCG@10 overall, or the model
+    ``reference`` when given (``eval.interval_reference``; ``"chosen": True``); a model with
     several seeds enters with each target's NDCG@10 averaged over its seeds (so does the
     baseline). Models without ranks files are left out and listed under ``no_ranks``."""
     out: dict[str, Any] = {
@@ -147,11 +149,18 @@ def paired_intervals(
     for m, e in ready.items():
         if not e.get("ranks") or len(e["ranks"]) != len(e.get("seeds", [])):
             out["no_ranks"].append(m)
-    baselines = [m for m, e in ready.items() if not is_memory_model(e)]
-    if not baselines:
-        out["note"] = "no baseline (a model that is not a memory model) was evaluated"
-        return out
-    best = max(baselines, key=lambda m: ready[m]["overall"]["ndcg@10"] or 0.0)
+    if reference:
+        if reference not in ready:
+            out["note"] = f"the reference model {reference!r} was not evaluated"
+            return out
+        best = reference
+        out["chosen"] = True
+    else:
+        baselines = [m for m, e in ready.items() if not is_memory_model(e)]
+        if not baselines:
+            out["note"] = "no baseline (a model that is not a memory model) was evaluated"
+            return out
+        best = max(baselines, key=lambda m: ready[m]["overall"]["ndcg@10"] or 0.0)
     out["baseline"] = best
     if best in out["no_ranks"]:
         out["note"] = f"the best baseline, {best}, has no ranks files"

@@ -338,7 +338,9 @@ def _write_outputs(
         **summary,
     }
     if report:
-        summary["intervals"] = paired_intervals(out, entries)
+        summary["intervals"] = paired_intervals(
+            out, entries, reference=cfg.eval.interval_reference or None
+        )
     _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     _atomic_write(out / "by_position.json", json.dumps(by_position, indent=2) + "\n")
     if planted:

@@ -121,6 +121,12 @@ def train_on_split(
         model = build_memory_model(split, cfg).to(device)
         cb = valid_callback(model, split, cfg) if validate else None
         result = train_memory_model(model, split.seqs, cfg.train, lengths, cb, device)
+        if cfg.train.replay_steps > 0:
+            from offline_eval.replay_training import train_replay  # needs the archive (faiss)
+
+            replay = train_replay(model, split.seqs, lengths, cfg, split.item_cat, device)
+            result.replay = replay.as_dict()
+            result.train_seconds += replay.seconds
     elif kind == "sasrec":
         model = build_sasrec(split, cfg).to(device)
         cb = valid_callback(model, split, cfg) if validate else None
@@ -159,7 +165,13 @@ def run_train(cfg: Config, out_dir: str | os.PathLike[str], kind: str = "memory"
     model, result = train_on_split(split, cfg, kind)
     # TRAIN popularity rides along for the rank service's cold-start answers.
     popularity = train_popularity(split).astype(np.int64).tolist()
-    extra = {"split": summary, "kind": kind, "popularity": popularity}
+    extra = {
+        "split": summary,
+        "kind": kind,
+        "popularity": popularity,
+        # for lexical and candidate-aware NoteBank routing (archive.routing)
+        "item_categories": split.item_cat.astype(np.int64).tolist(),
+    }
     path = save_model(out, model, split.vocab, cfg, extra)
     metrics: dict[str, Any] = {
         "dataset": split.dataset,
@@ -176,6 +188,7 @@ def run_train(cfg: Config, out_dir: str | os.PathLike[str], kind: str = "memory"
         "train_seconds": result.train_seconds,
         "valid_seconds": result.valid_seconds,
         "train_targets_per_s": result.targets_per_second(),
+        "replay_training": result.replay,
         "total_seconds": time.perf_counter() - t0,
         "checkpoint": str(path),
         "config": cfg.to_dict(redact_secrets=True),

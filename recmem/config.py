@@ -83,6 +83,11 @@ class EvalConfig:
     and ``memory-proteus-notebank`` evaluate instead of training one; it must have been
     trained on the same split (vocabulary and boundaries are checked). Its memory and model
     sections replace the configured ones. Empty: train."""
+    interval_reference: str = ""
+    """The model (its spec, as in ``--models``) that the report's paired intervals compare
+    every model with, e.g. ``memory-proteus`` for replay on vs off on the same weights or
+    ``memory-proteus[memory.n_blocks=1]`` for a schedule vs static; empty = the best model
+    that is not a memory model."""
     jobs: int = 1
     """``recmem eval``: models trained and evaluated at once, each in its own worker process
     (spread over the visible GPUs; without a GPU each gets its share of the CPU cores).
@@ -173,6 +178,18 @@ class ArchiveConfig:
     replay_notes: int = 2
     """R: notes replayed at rank time by default (2 of {2, 4} at replay_query_events = 8;
     4 of {1, 2, 4, 8} at 1)."""
+    routing: str = "native"
+    """How a replay request picks its notes (recmem/archive/routing.py): native = each
+    channel of the query events' query features votes for the note with the most similar
+    address (the features are q~ itself, with the fixed coordinate selection P, or a
+    learned projection when the model has ``model.route_dim`` > 0); lexical = the notes
+    sharing items or categories with the query events; candidates = the notes whose events
+    have the categories of the request's candidates, or without candidates of the top
+    ``route_candidates`` items of the live user vector (SIM's hard search). Notes of no
+    overlap are not routed by the last two."""
+    route_candidates: int = 50
+    """Candidate-aware routing without candidates in the request: the categories of this
+    many top items of the live (no replay) user vector."""
     min_votes: int = 0
     """Least channel votes a note needs to be routed (0: the top R by votes, then by summed
     cosine, filled up with unvoted notes; m >= 1: only notes at least m channels voted

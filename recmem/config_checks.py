@@ -24,6 +24,7 @@ RANGES: dict[str, str] = {
     "memory.horizon": "[1, inf)",
     "memory.theta_max": "(0, 1]",
     "memory.chunk_size": "[1, inf)",
+    "memory.unlock_threshold": "[0, inf]",
     "model.embed_dim": "[1, inf)",
     "model.n_oov_buckets": "[1, inf)",
     "model.n_time_buckets": "[1, inf)",
@@ -31,6 +32,8 @@ RANGES: dict[str, str] = {
     "model.ffn_mult": "[0, inf)",
     "model.window": "[0, inf)",
     "model.attn_heads": "[1, inf)",
+    "model.replay_rank": "[1, inf)",
+    "model.route_dim": "[0, inf)",
     "train.epochs": "[1, inf)",
     "train.batch_size": "[0, inf)",
     "train.segment_len": "[1, inf)",
@@ -45,6 +48,8 @@ RANGES: dict[str, str] = {
     "train.seed": "[0, inf)",
     "train.max_seconds": "[0, inf)",
     "train.proteus_ffn_horizon": "[1, inf)",
+    "train.replay_steps": "[0, inf)",
+    "train.replay_share": "(0, 1]",
     "data.valid_frac": "(0, 1)",
     "data.test_frac": "(0, 1)",
     "data.synthetic_users": "[1, inf)",
@@ -80,6 +85,7 @@ RANGES: dict[str, str] = {
     "archive.notes_per_user": "[1, inf)",
     "archive.replay_notes": "[1, inf)",
     "archive.min_votes": "[0, inf)",
+    "archive.route_candidates": "[1, inf)",
     "server.port": "[0, 65535]",
     "server.max_k": "[1, inf)",
     "server.max_candidates": "[0, inf)",
@@ -103,6 +109,7 @@ RANGES: dict[str, str] = {
 CHOICES: dict[str, tuple[str, ...]] = {
     "train.loss": ("full", "sampled"),
     "eval.exclude_seen": ("auto", "yes", "no"),
+    "archive.routing": ("native", "lexical", "candidates"),
     "state.length_buckets": ("auto", "on", "off"),
     "kafka.on_topic_mismatch": ("fail", "earliest", "latest"),
     "kafka.on_offset_out_of_range": ("fail", "earliest", "latest"),
@@ -112,8 +119,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "server.routing": ("forward", "redirect"),
 }
 """``section.field`` -> its allowed values. ``memory.backend``, ``memory.train_backend``,
-``model.hybrid`` and ``model.request_time`` are checked against the code that implements
-them instead."""
+``model.hybrid``, ``model.request_time``, ``model.replay_fusion``, ``memory.unlock`` and
+``memory.block_order`` are checked against the code that implements them instead."""
 
 SECRETS: tuple[str, ...] = (
     "kafka.sasl_password",
@@ -164,6 +171,29 @@ def _train_backend_problem(cfg: Any) -> str | None:
     return None
 
 
+def _schedule_problem(cfg: Any) -> str | None:
+    from models.memory.schedule import check_schedule_config  # the schedules' own rules
+
+    mem = cfg.memory
+    window = cfg.model.window if cfg.model.hybrid != "none" else 0
+    try:
+        check_schedule_config(mem.unlock, mem.block_order, mem.key_dim, mem.n_blocks, window)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _fusion_problem(cfg: Any) -> str | None:
+    from models.fusion import check_fusion_config  # the replay fusion's own rules
+
+    m = cfg.model
+    try:
+        check_fusion_config(m.replay_fusion, m.replay_rank, m.route_dim, cfg.memory.key_dim)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _head_problem(cfg: Any) -> str | None:
     from models.hybrid import check_head_config  # the head's own rules (imports torch)
 
@@ -185,6 +215,11 @@ RULES: tuple[tuple[Callable[[Any], bool], str], ...] = (
         lambda c: c.archive.replay_notes <= c.server.max_replay_notes,
         "archive.replay_notes (the default R) must be <= server.max_replay_notes",
     ),
+    (
+        lambda c: c.model.route_dim <= c.archive.address_dim,
+        "model.route_dim must be <= archive.address_dim (the archive keeps every dimension "
+        "of a learned routing address)",
+    ),
 )
 """Rules between fields: (holds, the message when it does not)."""
 
@@ -202,7 +237,13 @@ def problems(cfg: Any) -> list[str]:
     out = [message for holds, message in RULES if not holds(cfg)]
     return out + [
         msg
-        for check in (_backend_problem, _train_backend_problem, _head_problem)
+        for check in (
+            _backend_problem,
+            _train_backend_problem,
+            _head_problem,
+            _schedule_problem,
+            _fusion_problem,
+        )
         if (msg := check(cfg))
     ]
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,6 +43,7 @@ import torch
 from models.graphs import GraphedReplay
 from models.recommender import MemoryRecommender
 from models.state import MemoryState
+from recmem.archive.routing import ROUTINGS, overlap_weights
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +183,19 @@ class RankSources(Protocol):
     def route_many(
         self, requests: Sequence[tuple[str, torch.Tensor, int]]
     ) -> list[list[UserEvents]]:
-        """Top ``n_notes`` notes for masked queries q~ [Q, L, H, K], in time order, for
-        several (user, q~, n_notes) requests at once, answers in order."""
+        """Top ``n_notes`` notes for query features [Q, L, H, d] (the model's
+        ``route_features`` of the masked queries q~), in time order, for several (user,
+        features, n_notes) requests at once, answers in order."""
+        ...
+
+    def route_overlap_many(
+        self,
+        requests: Sequence[tuple[str, Mapping[int, float], Mapping[int, float], int]],
+        item_cat: np.ndarray | None,
+    ) -> list[list[UserEvents]]:
+        """Top ``n_notes`` notes by item / category overlap (``archive.routing`` lexical or
+        candidates; recmem/archive/routing.py) for (user, item weights, category weights,
+        n_notes) requests, in time order."""
         ...
 
 
@@ -228,7 +240,12 @@ class Ranker:
     the catalog order decides). ``query_events``: how many of the user's latest events
     form the routing query when a replay request carries no context. ``replay_cache``:
     user vectors after replay kept by the sources' owner (the engine forgets a user's
-    entries whenever it changes the user); None: always replay.
+    entries whenever it changes the user); None: always replay. ``routing``
+    (``archive.routing``): native = the archive's vote over the query events' query
+    features; lexical = notes sharing items or categories with the query events;
+    candidates = notes with the categories of the request's candidates, or with none of
+    the top ``route_candidates`` items of the live user vector (SIM's hard search).
+    ``item_categories`` [n_items]: each item index's category (None: items are their own).
     """
 
     def __init__(
@@ -240,6 +257,9 @@ class Ranker:
         cuda_graphs: bool = False,
         max_batch: int = 64,
         replay_cache: ReplayCache | None = None,
+        routing: str = "native",
+        route_candidates: int = 50,
+        item_categories: np.ndarray | None = None,
     ) -> None:
         if popularity is not None and len(popularity) != model.n_items:
             raise ValueError(
@@ -247,14 +267,19 @@ class Ranker:
             )
         if query_events < 1:
             raise ValueError("query_events must be >= 1")
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing {routing!r} is not one of {'|'.join(ROUTINGS)}")
+        self.routing = routing
+        self.route_candidates = route_candidates
+        self.item_categories = item_categories
         self.model = model
         self.sources = sources
         self.query_events = query_events
         self.device = next(model.parameters()).device
-        self.graphs = (
-            GraphedReplay(model, max_batch) if cuda_graphs and self.device.type == "cuda" else None
-        )
-        """The replay pass under CUDA graphs (``cuda_graphs`` on a CUDA device), else None."""
+        graphs = cuda_graphs and self.device.type == "cuda" and not model.sched.adaptive
+        self.graphs = GraphedReplay(model, max_batch) if graphs else None
+        """The replay pass under CUDA graphs (``cuda_graphs`` on a CUDA device), else None
+        (also under an adaptive unlock schedule, whose pieces are cut on the host)."""
         pop = np.zeros(model.n_items, np.float32) if popularity is None else popularity
         self.popularity = np.asarray(pop, np.float32)
         self._by_popularity = np.argsort(-self.popularity, kind="stable")
@@ -360,35 +385,48 @@ class Ranker:
                 query_ev.append(self.sources.recent_events(q.user_id, self.query_events))
                 stored_q.append(self.sources.recent_queries(q.user_id, self.query_events))
 
-        notes = self._route(queries, base, query_ev, stored_q, live_pos)
+        # the live read-out: the stored one, or after the request's context on a copy
+        state = self._with_context(queries, base)
+        ctx_rows = [i for i, q in enumerate(queries) if len(q.context)]
+        live = base.h
+        if ctx_rows and self.routing == "candidates":
+            live = self._context_readout(queries, base, ctx_rows)
+        notes = self._route(queries, base, state, live, query_ev, stored_q, live_pos)
         clock = self._lap("route", clock)
 
-        final_rows = [
-            UserEvents.concat([*ns, qe]) if ns else q.context
-            for q, qe, ns in zip(queries, query_ev, notes)
-        ]
-        mem = base.h
-        busy = [i for i, r in enumerate(final_rows) if len(r)]
-        if len(busy) == len(queries):
-            # every row runs (the read-out-only pass never writes the snapshot)
-            items, actions, ts, lengths = _pad(final_rows, self.device)
-            mem = self._replay(items, actions, ts, lengths, base)
-        elif busy:
-            # only the rows with events run; the others keep their stored read-out
-            rows = torch.as_tensor(busy, device=self.device)
-            items, actions, ts, lengths = _pad([final_rows[i] for i in busy], self.device)
-            vec = self._replay(items, actions, ts, lengths, base.index(rows))
-            mem = base.h.index_copy(0, rows, vec)
+        replay_rows = [i for i, ns in enumerate(notes) if ns]
+        fused = self.model.fusion is not None
+        if ctx_rows and self.routing != "candidates":
+            # without a fusion a replayed row reads the replay alone: its context pass is moot
+            need = [i for i in ctx_rows if fused or not notes[i]]
+            if need:
+                live = self._context_readout(queries, base, need)
+        replayed = live
+        if replay_rows:
+            rows_ev = [UserEvents.concat([*notes[i], query_ev[i]]) for i in replay_rows]
+            items, actions, ts, lengths = _pad(rows_ev, self.device)
+            if len(replay_rows) == len(queries):
+                # every row runs (the read-out-only pass never writes the snapshot)
+                replayed = self._replay(items, actions, ts, lengths, base)
+            else:
+                rows = torch.as_tensor(replay_rows, device=self.device)
+                vec = self._replay(items, actions, ts, lengths, base.index(rows))
+                replayed = live.index_copy(0, rows, vec)
 
         if hits:
             rows = torch.as_tensor(list(hits), device=self.device)
             vecs = torch.stack([h[0] for h in hits.values()])
-            mem = mem.index_copy(0, rows, vecs.to(mem.dtype))
+            replayed = replayed.index_copy(0, rows, vecs.to(replayed.dtype))
         if self.cache is not None and self.cache.size:
             for i, q in enumerate(queries):
                 if i not in hits and q.replay_notes and not len(q.context) and notes[i]:
-                    self.cache.put(q.user_id, q.replay_notes, mem[i].clone(), len(notes[i]))
-        vectors = self._read_users(queries, base, mem)
+                    self.cache.put(q.user_id, q.replay_notes, replayed[i].clone(), len(notes[i]))
+        did_replay = torch.as_tensor(
+            [bool(notes[i]) or i in hits for i in range(len(queries))], device=self.device
+        )
+        vectors = self.model.read_user(
+            state, self._request_ts(queries), mem=live, replayed=replayed, replayed_ok=did_replay
+        )
         self._lap("replay", clock)
         return UserVectors(
             vectors=vectors,
@@ -399,23 +437,32 @@ class Ranker:
             from_cache=[i in hits for i in range(len(queries))],
         )
 
-    def _read_users(
-        self, queries: Sequence[RankQuery], base: MemoryState, mem: torch.Tensor
+    def _context_readout(
+        self, queries: Sequence[RankQuery], base: MemoryState, rows: list[int]
     ) -> torch.Tensor:
-        """User vectors from the memory read-outs ``mem`` (live or replayed): the model's
-        head at each request's time, over the window with its context events pushed in."""
+        """The memory read-out [B, D] after each listed request's context events run on a
+        copy of its state (the other rows keep the stored read-out)."""
+        idx = torch.as_tensor(rows, device=self.device)
+        items, actions, ts, lengths = _pad([queries[i].context for i in rows], self.device)
+        vec = self._replay(items, actions, ts, lengths, base.index(idx))
+        return base.h.index_copy(0, idx, vec)
+
+    def _request_ts(self, queries: Sequence[RankQuery]) -> torch.Tensor:
         now = int(time.time() * 1000)
-        req = torch.as_tensor(
+        return torch.as_tensor(
             [q.request_ts_ms or now for q in queries], dtype=torch.int64, device=self.device
         )
+
+    def _with_context(self, queries: Sequence[RankQuery], base: MemoryState) -> MemoryState:
+        """``base`` with each request's context events pushed into its window (what the
+        head reads at the request's time)."""
         with_ctx = [i for i, q in enumerate(queries) if len(q.context)]
-        state = base
-        if with_ctx:
-            rows = torch.as_tensor(with_ctx, device=self.device)
-            items, actions, ts, lengths = _pad([queries[i].context for i in with_ctx], self.device)
-            pushed = self.model.push_window(base.index(rows), items, actions, ts, lengths)
-            state = base.put_rows(rows, pushed)
-        return self.model.read_user(state, req, mem=mem)
+        if not with_ctx:
+            return base
+        rows = torch.as_tensor(with_ctx, device=self.device)
+        items, actions, ts, lengths = _pad([queries[i].context for i in with_ctx], self.device)
+        pushed = self.model.push_window(base.index(rows), items, actions, ts, lengths)
+        return base.put_rows(rows, pushed)
 
     def _lap(self, step: str, since: float) -> float:
         now = time.perf_counter()
@@ -431,18 +478,37 @@ class Ranker:
         self,
         queries: Sequence[RankQuery],
         base: MemoryState,
+        state: MemoryState,
+        live: torch.Tensor,
         query_ev: Sequence[UserEvents],
         stored_q: Sequence[torch.Tensor | None],
         live_pos: Sequence[int],
     ) -> list[list[UserEvents]]:
-        """Notes to replay per request: q~ of the query events (stored, or one kq pass on a
-        temporary copy for the rest), then the archive's vote per user."""
+        """Notes to replay per request (``routing``): the archive's vote over the query
+        features of the query events (stored, or one kq pass on a temporary copy for the
+        rest), or item / category overlap with the query events or the candidates."""
         want = [
             i
             for i, q in enumerate(queries)
             if q.replay_notes > 0 and live_pos[i] > 0 and len(query_ev[i]) > 0
         ]
         notes: list[list[UserEvents]] = [[] for _ in queries]
+        if not want:
+            return notes
+        if self.routing != "native":
+            cats = self.item_categories
+            if self.routing == "lexical":
+                keys = [overlap_weights(query_ev[i].items, cats) for i in want]
+            else:
+                keys = self._candidate_keys(queries, state, live, want)
+            routed = self.sources.route_overlap_many(
+                [(queries[i].user_id, iw, cw, queries[i].replay_notes)
+                 for i, (iw, cw) in zip(want, keys, strict=True)],
+                cats,
+            )  # fmt: skip
+            for i, got_notes in zip(want, routed, strict=True):
+                notes[i] = got_notes
+            return notes
         q_tilde: dict[int, torch.Tensor] = {}
         todo = []
         for i in want:
@@ -456,16 +522,42 @@ class Ranker:
             items, actions, ts, lengths = _pad([query_ev[i] for i in todo], self.device)
             res = self.model.advance(items, actions, ts, lengths, base.index(rows), return_kq=True)
             assert res.kq is not None
+            feats = self.model.route_features(res.kq[1])
             for j, i in enumerate(todo):
-                q_tilde[i] = res.kq[1][j, : int(lengths[j])]
+                q_tilde[i] = feats[j, : int(lengths[j])]
         order = list(q_tilde)
-        if order:
-            routed_now = self.sources.route_many(
-                [(queries[i].user_id, q_tilde[i], queries[i].replay_notes) for i in order]
-            )
-            for i, got_notes in zip(order, routed_now, strict=True):
-                notes[i] = got_notes
+        routed_now = self.sources.route_many(
+            [(queries[i].user_id, q_tilde[i], queries[i].replay_notes) for i in order]
+        )
+        for i, got_notes in zip(order, routed_now, strict=True):
+            notes[i] = got_notes
         return notes
+
+    def _candidate_keys(
+        self,
+        queries: Sequence[RankQuery],
+        state: MemoryState,
+        live: torch.Tensor,
+        rows: list[int],
+    ) -> list[tuple[dict[int, float], dict[int, float]]]:
+        """Category weights of each request's candidates (candidate-aware routing): its own
+        candidates, or the top ``route_candidates`` items of its live user vector."""
+        out: list[tuple[dict[int, float], dict[int, float]]] = [({}, {})] * len(rows)
+        ranked = [j for j, i in enumerate(rows) if queries[i].candidates is None]
+        top: dict[int, np.ndarray] = {}
+        if ranked:
+            idx = torch.as_tensor([rows[j] for j in ranked], device=self.device)
+            vec = self.model.read_user(
+                state.index(idx), self._request_ts(queries)[idx], mem=live[idx]
+            )
+            k = min(self.route_candidates, self.model.n_items)
+            best = torch.topk(self.model.score(vec), k, dim=1).indices.cpu().numpy()
+            top = {j: best[n] for n, j in enumerate(ranked)}
+        for j, i in enumerate(rows):
+            cand = queries[i].candidates
+            items = top[j] if cand is None else cand
+            out[j] = overlap_weights(items, self.item_categories, with_items=False)
+        return out
 
     def _cold(self, q: RankQuery) -> tuple[np.ndarray, np.ndarray]:
         """TRAIN popularity top-k; ties go to the lower item index."""

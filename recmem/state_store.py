@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from models.config import MemoryConfig, ModelConfig
+from models.memory.schedule import UnlockSchedule
 from models.state import MemoryState
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StateLayout:
-    """Shape of one user's state: S and M [L, H, K, V] (no M without momentum), h [D], and
-    the window of the latest W events (``models.state.MemoryState``)."""
+    """Shape of one user's state: S and M [L, H, K, V] (no M without momentum), h [D], the
+    window of the latest W events and the unlock schedule's own fields, when it has them
+    (``models.state.MemoryState``)."""
 
     n_layers: int
     n_heads: int
@@ -43,9 +45,14 @@ class StateLayout:
     embed_dim: int
     window: int = 0
     dtype: torch.dtype = torch.float32
+    adaptive: bool = False
+    """Unlock counts and signal sums per layer (memory.unlock surprise | drift)."""
+    keyed_order: bool = False
+    """A block-order key per user (memory.block_order random)."""
 
     @classmethod
     def from_config(cls, mem: MemoryConfig, model: ModelConfig) -> StateLayout:
+        sched = UnlockSchedule.from_config(mem)
         return cls(
             mem.n_layers,
             mem.n_heads,
@@ -54,6 +61,8 @@ class StateLayout:
             mem.momentum,
             model.embed_dim,
             model.window if model.hybrid != "none" else 0,
+            adaptive=sched.adaptive,
+            keyed_order=sched.keyed,
         )
 
     def zeros(self, batch: int, device: torch.device | str = "cpu") -> MemoryState:
@@ -68,6 +77,8 @@ class StateLayout:
             window=self.window,
             device=device,
             dtype=self.dtype,
+            adaptive=self.adaptive,
+            keyed_order=self.keyed_order,
         )
 
     def field_shapes(self, batch: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

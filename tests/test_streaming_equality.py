@@ -7,7 +7,10 @@ then Rank is called over real gRPC at a request time T for several users, with a
 NoteBank replay, and its scores are compared with offline evaluation's: the model's user
 vectors after each user's last event asked at T (``MemoryRecommender.user_vectors``, what
 ``memory-proteus`` scores) and the NoteBank scorer's (``memory-proteus-notebank``), each
-scored against the same candidates."""
+scored against the same candidates. The model has a learned replay fusion (issue 12), trained
+by replay-aware training and then set to weights far from "no replay", so that replay goes
+through the fusion on every path; the offline replay scorer of replay-aware training
+(``ReplayScorer``) gives the same vectors as the service."""
 
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ import numpy as np
 import torch
 
 from offline_eval.notebank_eval import NotebankScorer
+from offline_eval.replay_training import ReplayScorer
 from offline_eval.training import prepare_split, run_train
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.datasets import load_dataset
-from recmem.modelstore import load_model
+from recmem.modelstore import load_model, save_model
 from recmem.server.serve import RecMemService
 from streams.codec import make_event
 from streams.producer import EventProducer
@@ -44,9 +48,17 @@ def test_rank_over_grpc_equals_offline_evaluation(tmp_path: Path, kafka_config) 
     cfg.archive.window = 2
     cfg.archive.max_span = 4
     cfg.archive.address_dim = 8
-    run_train(cfg, tmp_path / "model")
-    model, vocab, model_cfg, _ = load_model(tmp_path / "model")
+    cfg.model.replay_fusion = "gate"
+    cfg.train.replay_steps = 2
+    metrics = run_train(cfg, tmp_path / "model")
+    assert metrics["replay_training"]["steps"] == 2
+    model, vocab, model_cfg, extra = load_model(tmp_path / "model")
     assert model_cfg.model.hybrid == "mac" and model_cfg.model.request_time == "gap_clock"
+    assert model.fusion is not None
+    with torch.no_grad():  # far from "no replay", so that the fusion shows in every answer
+        model.fusion.scale.fill_(0.7)
+        model.fusion.gate.weight.normal_(0.0, 0.2)
+    save_model(tmp_path / "model", model, vocab, model_cfg, extra)
 
     serve_cfg = copy.deepcopy(cfg)
     serve_cfg.kafka = kafka_config(partitions=3)
@@ -81,6 +93,10 @@ def test_rank_over_grpc_equals_offline_evaluation(tmp_path: Path, kafka_config) 
         replay_cfg.server = cfg.server
         scorer = NotebankScorer(model, replay_cfg, vocab, replay_notes=2)
         replayed = scorer.user_vectors(seqs, last, request_ts) @ items.T
+        offline = ReplayScorer(model, replay_cfg, replay_notes=2)
+        torch.testing.assert_close(
+            offline.user_vectors(seqs, last, request_ts) @ items.T, replayed, atol=1e-4, rtol=1e-4
+        )
     assert scorer.stats["replayed"] > 0
     assert not torch.allclose(plain, replayed, atol=1e-3)  # replay changes the answers
 

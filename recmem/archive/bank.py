@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources, masked_cosines
+from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources
 from recmem.archive.persist import pack_users, unpack_users
+from recmem.archive.routing import overlap_rank, vote_rank
 from recmem.archive.selection import (
     address_coords,
     distinctiveness,
@@ -57,7 +58,9 @@ def check_archive_config(cfg: ArchiveConfig) -> None:
 class NoteBank:
     """Notes of many users with one FAISS address index per user.
 
-    ``key_dim`` is K and ``n_channels`` is C_ch = L * H (channel c = layer * H + head, the
+    ``key_dim`` is K, ``query_dim`` the dimension of the query features the model routes
+    with (K, or ``model.route_dim`` with a learned routing projection; default K), and
+    ``n_channels`` is C_ch = L * H (channel c = layer * H + head, the
     row-major flattening of the model's [L, H] axes). ``seed`` fixes the coordinate
     selection P (stored in the state and checked on load). ``use_gpu``: None = a GPU index
     when faiss has GPU support and sees a device. All methods are thread-safe.
@@ -71,15 +74,19 @@ class NoteBank:
         seed: int = 0,
         *,
         use_gpu: bool | None = None,
+        query_dim: int | None = None,
     ) -> None:
         check_archive_config(cfg)
         if key_dim < 1 or n_channels < 1:
             raise ValueError("key_dim and n_channels must be >= 1")
         self.cfg = cfg
         self.key_dim = key_dim
+        self.query_dim = key_dim if query_dim is None else query_dim
+        if self.query_dim < 1:
+            raise ValueError("query_dim must be >= 1")
         self.n_channels = n_channels
         # d_rho cannot exceed K: a small model selects all of its key coordinates.
-        self.coords = address_coords(key_dim, min(cfg.address_dim, key_dim), seed)
+        self.coords = address_coords(self.query_dim, min(cfg.address_dim, self.query_dim), seed)
         self._gpu = gpu_resources(use_gpu)
         if self._gpu is not None and cfg.notes_per_user * n_channels > GPU_MAX_K:
             log.warning(
@@ -96,18 +103,18 @@ class NoteBank:
     def address(self, q: Any) -> np.ndarray:
         """u = P q: [..., C_ch, K] (or [..., L, H, K]) queries -> [..., C_ch, d_rho]."""
         arr = _numpy(q, np.float32)
-        if arr.shape[-1] != self.key_dim:
-            raise ValueError(f"queries end in {arr.shape[-1]} dims, key_dim is {self.key_dim}")
+        if arr.shape[-1] != self.query_dim:
+            raise ValueError(f"queries end in {arr.shape[-1]} dims, query_dim is {self.query_dim}")
         return arr[..., self.coords]
 
-    def _channels(self, x: Any, n: int, what: str) -> np.ndarray:
+    def _channels(self, x: Any, n: int, what: str, dim: int) -> np.ndarray:
         arr = _numpy(x, np.float32)
-        if arr.ndim >= 2 and arr.shape[0] == n and arr.shape[-1] == self.key_dim:
-            arr = arr.reshape(n, -1, self.key_dim)
-        if arr.shape != (n, self.n_channels, self.key_dim):
+        if arr.ndim >= 2 and arr.shape[0] == n and arr.shape[-1] == dim:
+            arr = arr.reshape(n, -1, dim)
+        if arr.shape != (n, self.n_channels, dim):
             raise ValueError(
-                f"{what} must be [{n}, {self.n_channels}, {self.key_dim}] "
-                f"(or [{n}, L, H, {self.key_dim}]), got {list(arr.shape)}"
+                f"{what} must be [{n}, {self.n_channels}, {dim}] "
+                f"(or [{n}, L, H, {dim}]), got {list(arr.shape)}"
             )
         if not np.all(np.isfinite(arr)):
             raise ValueError(f"{what} has non-finite values")
@@ -141,8 +148,10 @@ class NoteBank:
             ev[0],
             ev[1],
             ev[2],
-            l2_normalise(self._channels(k, n, "keys")).astype(PENDING_DTYPE),
-            l2_normalise(self.address(self._channels(q, n, "queries"))).astype(PENDING_DTYPE),
+            l2_normalise(self._channels(k, n, "keys", self.key_dim)).astype(PENDING_DTYPE),
+            l2_normalise(self.address(self._channels(q, n, "queries", self.query_dim))).astype(
+                PENDING_DTYPE
+            ),
         )
         return self._append(user_id, new)
 
@@ -196,11 +205,12 @@ class NoteBank:
         B, T = len(lens), int(arrays[0].shape[1])
         # the unit keys and addresses of the whole batch at once, then one slice per user
         k_a = _numpy(k, np.float32).reshape(B, T, -1, self.key_dim)
-        q_a = _numpy(q, np.float32).reshape(B, T, -1, self.key_dim)
+        q_a = _numpy(q, np.float32).reshape(B, T, -1, self.query_dim)
         if k_a.shape[2] != self.n_channels or q_a.shape[2] != self.n_channels:
             raise ValueError(
-                f"k and q must be [B, T, {self.n_channels}, {self.key_dim}] "
-                f"(or [B, T, L, H, {self.key_dim}]), got {list(k_a.shape)}, {list(q_a.shape)}"
+                f"k and q must be [B, T, {self.n_channels}, K={self.key_dim} | "
+                f"query_dim={self.query_dim}] (or [B, T, L, H, ...]), got {list(k_a.shape)}, "
+                f"{list(q_a.shape)}"
             )
         valid = np.arange(T)[None, :] < lens[:, None]
         finite = (np.isfinite(k_a).all(axis=(2, 3)) & np.isfinite(q_a).all(axis=(2, 3))) | ~valid
@@ -364,24 +374,34 @@ class NoteBank:
             sims[j, ..., : raw[j].shape[-1]] = raw[j]
             open_[j, : len(opened[j])] = opened[j]
         u_live = unit[todo]
-        cos = masked_cosines(sims, u_live, open_)  # [W, n, C_ch, N]
         has_note = np.arange(N)[None, :] < np.array([len(x) for x in notes])[:, None]
-        cos = np.where(live[todo][..., None] & has_note[:, None, None, :], cos, -np.inf)
-        best = cos.max(axis=1)  # [W, C_ch, N]: max over query positions
-        voters = live[todo].any(axis=1)  # [W, C_ch]
-        winner = best.argmax(axis=-1)  # [W, C_ch]
-        votes = ((winner[..., None] == np.arange(N)) & voters[..., None]).sum(axis=1)
-        strength = np.where(voters[..., None], best, 0.0).sum(axis=1)  # [W, N]
-        votes = np.where(has_note, votes, -1)  # padding ranks last
-        strength = np.where(has_note, strength, -np.inf)
-        recency = np.broadcast_to(np.arange(N), (W, N))
-        order = np.lexsort((-recency, -strength, -votes), axis=-1)  # last key sorts first
+        picked, votes = vote_rank(
+            sims, u_live, open_, has_note, live[todo], [rs_[i] for i in todo],
+            self.cfg.min_votes,
+        )  # fmt: skip
         for j, i in enumerate(todo):
-            ranked = order[j, : rs_[i]]
-            ranked = ranked[has_note[j, ranked]]
-            if self.cfg.min_votes > 0:
-                ranked = ranked[votes[j, ranked] >= self.cfg.min_votes]
-            out[i] = [replace(notes[j][k], votes=int(votes[j, k])) for k in np.sort(ranked)]
+            out[i] = [replace(notes[j][k], votes=int(votes[j, k])) for k in picked[j]]
+        return out
+
+    def route_overlap_many(
+        self,
+        requests: Sequence[tuple[str, Mapping[int, float], Mapping[int, float], int | None]],
+        item_cat: np.ndarray | None,
+    ) -> list[list[Note]]:
+        """Lexical / candidate-aware routing (``archive.routing``; recmem/archive/routing.py
+        ``overlap_rank``) for (user, item weights, category weights, r) requests: the top r
+        notes by the weights of their events' items and categories (``item_cat``: the
+        category of each item index; None: items only), in chronological order."""
+        out: list[list[Note]] = []
+        with self._lock:
+            for user_id, item_w, cat_w, r in requests:
+                ua = self._users.get(user_id)
+                r_ = self.cfg.replay_notes if r is None else r
+                if ua is None or not ua.notes or r_ <= 0:
+                    out.append([])
+                    continue
+                picked = overlap_rank([n.items for n in ua.notes], item_w, cat_w, item_cat, r_)
+                out.append([ua.notes[k] for k in picked])
         return out
 
     # ---- inspection -------------------------------------------------------------------

@@ -87,11 +87,23 @@ def popularity_from_extra(extra: dict[str, Any], n_items: int) -> np.ndarray | N
     return arr
 
 
+def categories_from_extra(extra: dict[str, Any], n_items: int) -> np.ndarray | None:
+    """The category key of each item index (key ``item_categories``, written by ``recmem
+    train``), for lexical and candidate-aware routing; None when absent."""
+    cats = extra.get("item_categories")
+    if cats is None:
+        return None
+    arr = np.asarray(cats, dtype=np.int64).reshape(-1)
+    if len(arr) != n_items:
+        raise ValueError(f"checkpoint item_categories has {len(arr)} entries for {n_items} items")
+    return arr
+
+
 def load_served_model(
     cfg: Config, device: torch.device, init_model: bool = False
-) -> tuple[MemoryRecommender, ItemVocab, str, np.ndarray | None]:
-    """The memory model in ``server.model_dir``, its vocabulary, version and TRAIN
-    popularity (None when it has none). With ``init_model`` and no model there, a freshly
+) -> tuple[MemoryRecommender, ItemVocab, str, np.ndarray | None, np.ndarray | None]:
+    """The memory model in ``server.model_dir``, its vocabulary, version, TRAIN popularity
+    and item categories (each None when it has none). With ``init_model`` and no model there, a freshly
     initialised one (seeded by ``train.seed``, so every process builds the same weights)
     is saved there first; such a model knows no items (every item id maps to a hashed
     out-of-vocabulary bucket): for tests and benchmarks. The configuration's memory and
@@ -117,7 +129,8 @@ def load_served_model(
     popularity = popularity_from_extra(extra, vocab.n_items)
     if popularity is None:
         log.warning("model has no TRAIN popularity: cold-start answers follow catalog order")
-    return loaded, vocab, str(extra.get("model_version", "unversioned")), popularity
+    version = str(extra.get("model_version", "unversioned"))
+    return loaded, vocab, version, popularity, categories_from_extra(extra, vocab.n_items)
 
 
 def build_engine(
@@ -129,6 +142,7 @@ def build_engine(
     vocab: ItemVocab | None = None,
     model_version: str = "unversioned",
     popularity: np.ndarray | None = None,
+    item_categories: np.ndarray | None = None,
     use_gpu_index: bool | None = None,
     start: bool = True,
 ) -> BuiltEngine:
@@ -139,7 +153,9 @@ def build_engine(
     if cfg.server.torch_threads > 0:
         torch.set_num_threads(cfg.server.torch_threads)
     if model is None:
-        model, vocab, model_version, popularity = load_served_model(cfg, dev, init_model)
+        model, vocab, model_version, popularity, item_categories = load_served_model(
+            cfg, dev, init_model
+        )
     elif vocab is None:
         raise ValueError("build_engine: a model needs its vocabulary")
     assert vocab is not None
@@ -150,7 +166,7 @@ def build_engine(
     mem = cfg.memory
     bank = NoteBank(
         cfg.archive, mem.key_dim, mem.n_layers * mem.n_heads, seed=cfg.train.seed,
-        use_gpu=use_gpu_index,
+        use_gpu=use_gpu_index, query_dim=model.route_dim,
     )  # fmt: skip
     engine = Engine(model, vocab, store, cfg, bank=bank, model_version=model_version)
     s = cfg.server
@@ -162,6 +178,9 @@ def build_engine(
         cuda_graphs=s.cuda_graphs,
         max_batch=s.max_batch,
         replay_cache=engine.replay_cache,
+        routing=cfg.archive.routing,
+        route_candidates=cfg.archive.route_candidates,
+        item_categories=item_categories,
     )
     ranker.warm_up()
     loop = EngineLoop(

@@ -8,8 +8,8 @@ events in order, vocab-encoded, right-padded [B, T]) and cut into pieces (row se
 users); each piece is ``begin`` (gather the users' states from the store: a private copy),
 ``compute`` (ONE ``model.advance`` under ``torch.no_grad`` on that copy; touches nothing
 else, so it may run on another thread), ``commit`` (scatter the new states, the latest
-events and their q~, partition bookkeeping) and ``commit_notes`` (the NoteBank's write
-path). ``apply`` runs them in order.
+events and their query features: q~, or its learned routing projection; partition
+bookkeeping) and ``commit_notes`` (the NoteBank's write path). ``apply`` runs them in order.
 
 Read side, for the rank step (recmem/ranking.py, ``RankSources``): ``snapshot`` (copies of
 states, never the live tensors), ``recent_events``/``recent_queries`` and ``route_many``.
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from models.memory.proteus import unlocked_blocks
 from models.recommender import AdvanceResult, MemoryRecommender
 from models.state import MemoryState
 from recmem.archive import NoteBank
@@ -282,6 +281,9 @@ class Engine:
             piece.state,
             return_kq=True,
         )
+        if piece.result.kq is not None:  # the archive's query features (routing projection)
+            k, q = piece.result.kq
+            piece.result.kq = (k, self.model.route_features(q))
         piece.seconds["advance"] = time.perf_counter() - t0
 
     def commit(self, piece: Piece) -> None:
@@ -448,18 +450,29 @@ class Engine:
         routed = self.bank.route_many(list(requests))
         return [[UserEvents(n.items, n.actions, n.ts_ms) for n in notes] for notes in routed]
 
+    def route_overlap_many(
+        self,
+        requests: Sequence[tuple[str, Mapping[int, float], Mapping[int, float], int]],
+        item_cat: np.ndarray | None,
+    ) -> list[list[UserEvents]]:
+        if self.bank is None:
+            return [[] for _ in requests]
+        routed = self.bank.route_overlap_many(list(requests), item_cat)
+        return [[UserEvents(n.items, n.actions, n.ts_ms) for n in notes] for notes in routed]
+
     def inspect(self, user_id: str) -> UserInfo | None:
         """InspectUser's answer: position, Proteus blocks, notes, residence tier."""
         if user_id not in self.store:
             return None
         state = self.store.read([user_id])
-        mem = self.cfg.memory
         pos = int(state.pos[0])
+        # adaptive schedules: the most any layer has unlocked
+        unlocks = 0 if state.unlocks is None else int(state.unlocks[0].max())
         return UserInfo(
             position=pos,
             last_ts_ms=int(state.last_ts[0]),
-            unlocked_blocks=unlocked_blocks(pos, mem.n_blocks, mem.horizon) if pos > 0 else 0,
-            total_blocks=mem.n_blocks,
+            unlocked_blocks=self.model.sched.open_blocks(pos, unlocks),
+            total_blocks=self.cfg.memory.n_blocks,
             note_count=self.bank.note_count(user_id) if self.bank is not None else 0,
             resident_tier=self.store.tier_of(user_id),
         )

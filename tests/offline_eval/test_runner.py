@@ -303,6 +303,18 @@ def test_seeds_spread_and_paired_intervals(tmp_path: Path, probe_models: list[in
     assert "Baseline: **pop**" in report and "| pop-twin | +0.0000 [+0.0000, +0.0000] |" in report
     with pytest.raises(ValueError, match="train.seed"):
         runner.run_eval(cfg, dataset, ["noisy-pop[train.seed=4]"], tmp_path / "x", seeds=[0, 1])
+    # intervals against a chosen model (eval.interval_reference): here a memory model
+    cfg.eval.interval_reference = "pop-twin"
+    again = runner.report_from_runs(cfg, [tmp_path / "o"], tmp_path / "ref")
+    iv = again["intervals"]
+    assert iv["baseline"] == "pop-twin" and iv["chosen"] and "pop-twin" not in iv["models"]
+    assert iv["models"]["pop"]["overall"]["diff"] == 0.0
+    assert "Baseline: **pop-twin**, the reference model" in (tmp_path / "ref/report.md").read_text()
+    cfg.eval.interval_reference = "nothing-like-it"
+    assert (
+        "not evaluated"
+        in runner.report_from_runs(cfg, [tmp_path / "o"], tmp_path / "r2")["intervals"]["note"]
+    )
 
 
 def test_a_missing_package_names_itself_and_spares_the_other_models(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ the test thread drives the engine and the Ranker itself (``start_loop`` starts o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,12 +79,21 @@ def user_events(rng: np.random.Generator, n: int, t0: int = 1_000_000) -> UserEv
     return UserEvents(items, actions, ts)
 
 
-def make_env(spill_dir: Path, n_users: int = 6, seed: int = 0) -> RankEnv:
+def make_env(
+    spill_dir: Path,
+    n_users: int = 6,
+    seed: int = 0,
+    edit: Callable[[Config], None] | None = None,
+    item_categories: np.ndarray | None = None,
+) -> RankEnv:
     """``n_users`` users named user0.. with EVENTS_PER_USER events each, ingested in
     micro-batches of 10 events per user; the slab holds 4 users, host memory 2, so some
-    states live on disk."""
+    states live on disk. ``edit`` changes the configuration before anything is built;
+    ``item_categories`` go to the Ranker."""
     torch.manual_seed(seed)
     cfg = small_config(spill_dir)
+    if edit is not None:
+        edit(cfg)
     vocab = ItemVocab([f"item{i}" for i in range(N_ITEMS)], cfg.model.n_oov_buckets)
     model = MemoryRecommender(N_ITEMS, cfg.model.n_oov_buckets, cfg.memory, cfg.model).eval()
     rng = np.random.default_rng(seed)
@@ -91,7 +101,7 @@ def make_env(spill_dir: Path, n_users: int = 6, seed: int = 0) -> RankEnv:
     popularity = train_popularity(np.concatenate([h.items for h in history.values()]), N_ITEMS)
     built = build_engine(
         cfg, model=model, vocab=vocab, model_version="test-model", popularity=popularity,
-        device="cpu", start=False,
+        item_categories=item_categories, device="cpu", start=False,
     )  # fmt: skip
     for start in range(0, EVENTS_PER_USER, 10):
         batch = [

@@ -261,3 +261,51 @@ def test_duplicates_are_dropped_counted_and_kept_across_checkpoints(tmp_path):
     assert restored.apply([ided[1]]).duplicates == 1
     cfg.state.dedupe_window = 0  # off: every event applies
     assert make_engine(tmp_path / "c", cfg=cfg).apply([e[0], e[0]]).events == 2
+
+
+@pytest.mark.parametrize(
+    "unlock, order", [("surprise", "random"), ("drift", "prefix"), ("narrow", "reverse")]
+)
+def test_unlock_schedules_stream_through_the_engine(tmp_path, unlock, order):
+    """Under an adaptive unlock schedule or a block order the engine's micro-batches give
+    each user the state of one pass (unlock counts, signal sums and order keys included);
+    InspectUser reports the blocks the user's state has open; a partition's states move
+    with their schedule fields."""
+    cfg = small_config()
+    cfg.memory.unlock, cfg.memory.block_order = unlock, order
+    cfg.memory.unlock_threshold = 0.8
+    cfg.memory.horizon = 16  # decisions every 4 events
+    cfg.model.window = 4
+    engine = make_engine(tmp_path, cfg=cfg)
+    events = random_events(400, 9)
+    for start in range(0, len(events), 23):
+        engine.apply(events[start : start + 23])
+    ref = reference_states(engine, events)
+    users = sorted(ref)
+    got = engine.snapshot(users)
+    for i, u in enumerate(users):
+        for name in ("pos", "unlocks", "order_key"):
+            a, b = getattr(got, name), getattr(ref[u], name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert torch.equal(a[i], b[0]), (name, u)
+        torch.testing.assert_close(got.S[i], ref[u].S[0], rtol=1e-4, atol=1e-5)
+        if got.unlock_acc is not None:
+            torch.testing.assert_close(
+                got.unlock_acc[i], ref[u].unlock_acc[0], rtol=1e-4, atol=1e-5
+            )
+        info = engine.inspect(u)
+        assert info is not None
+        unlocks = 0 if got.unlocks is None else int(got.unlocks[i].max())
+        assert info.unlocked_blocks == engine.model.sched.open_blocks(int(got.pos[i]), unlocks)
+    if unlock == "narrow":
+        assert all(engine.inspect(u).unlocked_blocks == 1 for u in users)  # type: ignore[union-attr]
+    else:
+        opened = [engine.inspect(u).unlocked_blocks for u in users]  # type: ignore[union-attr]
+        assert max(opened) > 1
+    dst = make_engine(tmp_path / "b", cfg=cfg)
+    part = engine.users_of(1)
+    dst.adopt(1, part, engine.store.read(part), [(part, engine.export_arrays(part))])
+    a, b = dst.snapshot(part), engine.snapshot(part)
+    for k, v in b.to_fields().items():
+        assert torch.equal(a.to_fields()[k], v), k
