@@ -14,10 +14,11 @@ from recmem.config import Config
 RUNTIME_ONLY = {
     "memory": ("backend", "chunk_size"),
     "model": ("dropout",),
-    "archive": ("replay_notes", "min_votes"),
+    "archive": ("replay_notes", "min_votes", "routing", "route_candidates"),
 }
 """Fields of those sections that do not shape stored data: how this machine computes the
-rule, training-only settings, and what a rank request asks for by default."""
+rule, training-only settings, and how a rank request picks its notes (the notes and their
+addresses are stored the same under every routing)."""
 
 
 def data_settings(cfg: Config) -> dict[str, Any]:

@@ -165,6 +165,30 @@ def test_a_setting_an_older_checkpoint_lacks_compares_as_its_default(tmp_path):
         gone.restore(0, settings=ours)
 
 
+def test_unlock_schedule_fields_round_trip_through_a_delta_chain(tmp_path):
+    """The adaptive unlock schedules' and the keyed block order's own state fields (unlock
+    counts, signal sums, order key) move with the partition like S and M."""
+    layout = StateLayout(2, 2, 4, 3, True, 5, adaptive=True, keyed_order=True)
+    store = CheckpointStore(tmp_path, layout)
+    gen = torch.Generator().manual_seed(5)
+
+    def state(n):
+        st = random_state(layout, n, gen)
+        st.unlocks.copy_(torch.randint(0, 4, st.unlocks.shape, generator=gen))
+        st.unlock_acc.copy_(torch.rand(st.unlock_acc.shape, generator=gen))
+        st.order_key.copy_(torch.randint(0, 2**40, st.order_key.shape, generator=gen))
+        return st
+
+    first, later = state(3), state(1)
+    full = store.write(0, ["a", "b", "c"], first, 3, model_version="m", settings=SET)
+    store.write(0, ["b"], later, 4, model_version="m", settings=SET, parent=full.name)
+    ckpt = store.restore(0, settings=SET)
+    assert ckpt is not None and ckpt.user_ids == ["a", "b", "c"]
+    want = first.put_rows(torch.tensor([1]), later)
+    for name in ("unlocks", "unlock_acc", "order_key", "S", "pos"):
+        assert torch.equal(getattr(ckpt.state, name), getattr(want, name)), name
+
+
 def test_delta_chain_merges_and_keeps_what_it_needs(tmp_path):
     store = CheckpointStore(tmp_path, LAYOUT, keep=2)
     gen = torch.Generator().manual_seed(3)
@@ -227,10 +251,19 @@ def test_data_settings_cover_what_shapes_stored_data():
         "archive.address_dim",
         "train.seed",
         "recent_events",
+        "memory.unlock",
+        "memory.block_order",
+        "model.route_dim",
     ):
         assert dotted in base, dotted
     # how this machine computes the rule, or what a request asks for, does not count
-    for dotted in ("memory.backend", "archive.replay_notes", "model.dropout"):
+    for dotted in (
+        "memory.backend",
+        "archive.replay_notes",
+        "archive.routing",
+        "archive.route_candidates",
+        "model.dropout",
+    ):
         assert dotted not in base, dotted
 
 
