@@ -42,6 +42,39 @@ OWNER = "recmem-owner"
 PARTITION = "recmem-partition"
 GENERATION = "recmem-generation"
 RETRY_PUSHBACK = "grpc-retry-pushback-ms"
+"""Trailing metadata of the routing answers (recmem/server/routing.py sends them)."""
+
+
+class Stubs:
+    """``RecMem`` stubs per address over channels kept open, with gRPC's own retries off
+    (the caller decides what to retry); TLS when ``creds`` is given. Thread-safe."""
+
+    def __init__(self, creds: grpc.ChannelCredentials | None = None) -> None:
+        self._creds = creds
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, Any] = {}
+
+    def get(self, address: str) -> Any:
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                options = [("grpc.enable_retries", 0)]
+                channel = (
+                    grpc.secure_channel(address, self._creds, options=options)
+                    if self._creds is not None
+                    else grpc.insecure_channel(address, options=options)
+                )
+                self._channels[address] = channel
+                stub = self._stubs[address] = rank_pb2_grpc.RecMemStub(channel)  # type: ignore[no-untyped-call]
+            return stub
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
 
 
 class RankClient:
@@ -68,13 +101,13 @@ class RankClient:
         self.deadline_s = deadline_s
         self.max_backoff_s = max_backoff_s
         self._seeds = list(addresses)
-        self._creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+        self._stubs = Stubs(
+            grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+        )
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
         self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[str, Any] = {}
         self._generation = -1
         self._partitions = 0
         self._owners: dict[int, str] = {}
@@ -126,7 +159,7 @@ class RankClient:
         self.counts["refreshes"] += 1
         for address in self._candidates():
             try:
-                res = self._stub(address).Routing(
+                res = self._stubs.get(address).Routing(
                     rank_pb2.RoutingRequest(), timeout=timeout, metadata=self._metadata
                 )
             except grpc.RpcError as e:
@@ -144,11 +177,7 @@ class RankClient:
         return False
 
     def close(self) -> None:
-        with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
-            self._stubs.clear()
+        self._stubs.close()
 
     def __enter__(self) -> RankClient:
         return self
@@ -178,7 +207,7 @@ class RankClient:
             target = None
             remaining = deadline - time.monotonic()
             try:
-                return getattr(self._stub(address), method)(
+                return getattr(self._stubs.get(address), method)(
                     request, timeout=max(remaining, 0.001), metadata=self._metadata
                 )
             except grpc.RpcError as e:
@@ -237,20 +266,6 @@ class RankClient:
             if PARTITION in md and OWNER in md:
                 self._owners[int(md[PARTITION])] = md[OWNER]
                 self._down.pop(md[OWNER], None)
-
-    def _stub(self, address: str) -> Any:
-        with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
-                options = [("grpc.enable_retries", 0)]
-                channel = (
-                    grpc.secure_channel(address, self._creds, options=options)
-                    if self._creds is not None
-                    else grpc.insecure_channel(address, options=options)
-                )
-                self._channels[address] = channel
-                stub = self._stubs[address] = rank_pb2_grpc.RecMemStub(channel)  # type: ignore[no-untyped-call]
-            return stub
 
 
 def _code(e: grpc.RpcError) -> grpc.StatusCode:

@@ -8,27 +8,22 @@ map disagrees (the group is rebalancing) the caller gets the redirect. What cann
 answered now (no assignment yet, a partition being restored or moving, an owner that does
 not answer) gets UNAVAILABLE with a retry hint, never a cold start.
 
-Trailing metadata: ``grpc-retry-pushback-ms`` (how long to wait before retrying; gRPC's
-own retry policy reads it too), ``recmem-owner`` (host:port of the owner),
-``recmem-partition`` and ``recmem-generation``.
+Trailing metadata (named in recmem/client.py, which reads them): ``grpc-retry-pushback-ms``
+(how long to wait before retrying; gRPC's own retry policy reads it too), ``recmem-owner``
+(host:port of the owner), ``recmem-partition`` and ``recmem-generation``.
 """
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from proto.recmem.v1 import rank_pb2_grpc
+from recmem.client import OWNER, PARTITION, RETRY_PUSHBACK, Stubs
 
 FORWARDED = "recmem-forwarded"
 """Request metadata of a forwarded call (its value: the forwarding instance)."""
-OWNER = "recmem-owner"
-PARTITION = "recmem-partition"
-GENERATION = "recmem-generation"
-RETRY_PUSHBACK = "grpc-retry-pushback-ms"
 
 
 class RoutingFailure(Exception):
@@ -53,42 +48,21 @@ class Forwarder:
 
     def __init__(self, me: str, tls_cert: str = "", auth_token: str = "") -> None:
         self.me = me
-        self._creds = (
+        self._stubs = Stubs(
             grpc.ssl_channel_credentials(Path(tls_cert).read_bytes()) if tls_cert else None
         )
         self._metadata: tuple[tuple[str, str], ...] = ((FORWARDED, me),)
         if auth_token:
             self._metadata += (("authorization", f"Bearer {auth_token}"),)
-        self._stubs: dict[str, rank_pb2_grpc.RecMemStub] = {}
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
-
-    def stub(self, address: str) -> rank_pb2_grpc.RecMemStub:
-        with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
-                options = [("grpc.enable_retries", 0)]
-                channel = (
-                    grpc.secure_channel(address, self._creds, options=options)
-                    if self._creds is not None
-                    else grpc.insecure_channel(address, options=options)
-                )
-                self._channels[address] = channel
-                stub = self._stubs[address] = rank_pb2_grpc.RecMemStub(channel)  # type: ignore[no-untyped-call]
-            return stub
 
     def call(self, method: str, address: str, request: Any, timeout: float | None) -> Any:
         """Send ``request`` to ``address``'s ``method``; raises grpc.RpcError as received."""
-        return getattr(self.stub(address), method)(
+        return getattr(self._stubs.get(address), method)(
             request, timeout=timeout, metadata=self._metadata
         )
 
     def close(self) -> None:
-        with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
-            self._stubs.clear()
+        self._stubs.close()
 
 
 def passthrough(e: grpc.RpcError, owner: str, partition: int, retry_ms: int) -> RoutingFailure:

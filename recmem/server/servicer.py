@@ -15,20 +15,12 @@ from typing import Any, Protocol
 import grpc
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+from recmem.client import GENERATION, OWNER, PARTITION, RETRY_PUSHBACK
 from recmem.engine import LoopStopped, PartitionUnavailable, UserInfo
 from recmem.ranking import RankQuery, RankResult
 from recmem.routing import OwnerMap
 from recmem.server.metrics import RankMetrics
-from recmem.server.routing import (
-    FORWARDED,
-    GENERATION,
-    OWNER,
-    PARTITION,
-    RETRY_PUSHBACK,
-    Forwarder,
-    RoutingFailure,
-    passthrough,
-)
+from recmem.server.routing import FORWARDED, Forwarder, RoutingFailure, passthrough
 from recmem.server.validation import InvalidRequest, Limits, to_query
 from recmem.vocab import ItemVocab
 
