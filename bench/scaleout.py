@@ -38,7 +38,6 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,7 +45,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 from benchinfo import git_commit, machine_facts  # noqa: E402
 
@@ -58,7 +56,9 @@ from streams.config import KafkaConfig  # noqa: E402
 from streams.partitioner import partition_for  # noqa: E402
 from tests.cluster import (  # noqa: E402
     REQUEST_TS,
+    Answer,
     Cluster,
+    Prober,
     caught_up,
     ml100k_setup,
     scaleout_config,
@@ -128,70 +128,29 @@ PROBE_PAUSE_S = 0.01
 not slow the members' heartbeats on a small machine."""
 
 
-class Probe:
-    """Threads ranking ``users`` through ``members`` in turn; every answer recorded as
-    (seconds since t0, user, kind) with kind ok | silent | unavailable | other:CODE."""
+def probe(cluster: Cluster, members: list[int], users: list[str]) -> Prober:
+    return Prober(cluster, members, users, PROBE_THREADS, PROBE_PAUSE_S).start()
 
-    def __init__(
-        self,
-        cluster: Cluster,
-        members: list[int],
-        users: list[str],
-        counts,
-        threads: int = PROBE_THREADS,
-        pause_s: float = PROBE_PAUSE_S,
-    ):
-        self.cluster, self.members, self.users, self.counts = cluster, members, users, counts
-        self.pause_s = pause_s
-        self.t0 = time.monotonic()
-        self.records: list[tuple[float, str, str]] = []
-        self.hints_missing = 0
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(k, threads), daemon=True)
-                         for k in range(threads)]  # fmt: skip
 
-    def start(self) -> Probe:
-        for t in self._threads:
-            t.start()
-        return self
+def kind(answer: Answer, counts: dict[str, int]) -> str:
+    """ok (at the user's true position) | silent (OK, but a cold start or another position)
+    | unavailable | other:CODE."""
+    if answer.code == "OK":
+        right = answer.position == counts[answer.user] and not answer.cold_start
+        return "ok" if right else "silent"
+    return "unavailable" if answer.code == "UNAVAILABLE" else f"other:{answer.code}"
 
-    def _run(self, k: int, n: int) -> None:
-        mine = self.users[k::n]
-        j = 0
-        while not self._stop.is_set() and mine:
-            user = mine[j % len(mine)]
-            member = self.members[j % len(self.members)]
-            j += 1
-            req = rank_pb2.RankRequest(user_id=user, k=5, request_ts_ms=REQUEST_TS)
-            try:
-                res = self.cluster.stub(member).Rank(req, timeout=5)
-                ok = res.position == self.counts[user] and not res.cold_start
-                kind = "ok" if ok else "silent"
-            except grpc.RpcError as e:
-                code = e.code().name
-                kind = "unavailable" if code == "UNAVAILABLE" else f"other:{code}"
-                md = dict(e.trailing_metadata() or ())
-                if code == "UNAVAILABLE" and "grpc-retry-pushback-ms" not in md:
-                    with self._lock:
-                        self.hints_missing += 1
-            with self._lock:
-                self.records.append((time.monotonic() - self.t0, user, kind))
-            time.sleep(self.pause_s)
 
-    def stop(self) -> list[tuple[float, str, str]]:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=15)
-        return list(self.records)
+def tally(answers: list[Answer], counts: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for a in answers:
+        k = kind(a, counts)
+        out[k] = out.get(k, 0) + 1
+    return out
 
-    def first_ok(self, since: float) -> dict[str, float]:
-        out: dict[str, float] = {}
-        with self._lock:
-            for t, user, kind in self.records:
-                if t >= since and kind == "ok" and user not in out:
-                    out[user] = t
-        return out
+
+def without_hint(answers: list[Answer]) -> int:
+    return sum(1 for a in answers if a.code == "UNAVAILABLE" and not a.hint)
 
 
 def restore_seconds(log_text: str, since_line: int) -> list[float]:
@@ -215,33 +174,33 @@ def kill_once(
     kept = rng.sample(kept_users, min(max(2, probe_users // 2), len(kept_users)))
     lines = {i: len(cluster.instances[i].log().splitlines()) for i in survivors}
     gen_before = cluster.routing(survivors[0]).generation  # type: ignore[union-attr]
-    probe = Probe(cluster, survivors, probed + kept, counts).start()
+    prober = probe(cluster, survivors, probed + kept)
     time.sleep(1.0)
-    killed_at = time.monotonic() - probe.t0
+    killed_at = time.monotonic() - prober.t0
     cluster.kill(victim)
     detected = None
     try:
-        while detected is None and time.monotonic() - probe.t0 - killed_at < 60:
+        while detected is None and time.monotonic() - prober.t0 - killed_at < 60:
             maps = [cluster.routing(i) for i in survivors]
             if all(m is not None and m.generation > gen_before for m in maps):
-                detected = time.monotonic() - probe.t0 - killed_at
+                detected = time.monotonic() - prober.t0 - killed_at
             time.sleep(0.02)
         cluster.wait(lambda: cluster.settled(cluster.n - 1), 60, "survivors settled")
-        cluster.wait(lambda: set(probe.first_ok(killed_at)) >= set(probed), 60, "moved users")
+        cluster.wait(
+            lambda: set(prober.first_right(counts, killed_at)) >= set(probed), 60, "moved users"
+        )
         time.sleep(0.5)
     finally:
-        records = probe.stop()
-    firsts = probe.first_ok(killed_at)
+        records = prober.stop()
+    firsts = prober.first_right(counts, killed_at)
     handoff = max(firsts[u] for u in probed) - killed_at
-    after = [r for r in records if r[0] >= killed_at]
-    kinds: dict[str, int] = {}
-    for _, _, kind in after:
-        kinds[kind] = kinds.get(kind, 0) + 1
-    kept_not_ok = sum(1 for _, u, kind in after if u in kept and kind != "ok")
+    after = [a for a in records if a.t >= killed_at]
+    kinds = tally(after, counts)
+    kept_not_ok = sum(1 for a in after if a.user in kept and kind(a, counts) != "ok")
     restores = [s for i in survivors for s in restore_seconds(cluster.instances[i].log(), lines[i])]
     # the killed member joins again (a cooperative join moves partitions back): probed too
     lines_back = len(cluster.instances[victim].log().splitlines())
-    probe = Probe(cluster, survivors, probed + kept, counts).start()
+    prober = probe(cluster, survivors, probed + kept)
     joined_at = time.monotonic()
     try:
         cluster.start(victim)
@@ -249,10 +208,8 @@ def kill_once(
         cluster.wait(lambda: caught_up(cluster.cfg, ends), 120, "checkpoints caught up")
         time.sleep(1.0)
     finally:
-        join_records = probe.stop()
-    join_kinds: dict[str, int] = {}
-    for _, _, kind in join_records:
-        join_kinds[kind] = join_kinds.get(kind, 0) + 1
+        join_records = prober.stop()
+    join_kinds = tally(join_records, counts)
     return {
         "victim": victim,
         "moved_partitions": moved,
@@ -266,11 +223,12 @@ def kill_once(
         "answers_after_kill": kinds,
         "silent_cold_starts": kinds.get("silent", 0),
         "survivor_users_not_ok": kept_not_ok,
-        "unavailable_without_hint": probe.hints_missing,
+        "unavailable_without_hint": without_hint(after),
         "rejoin": {
             "seconds_until_settled": round(time.monotonic() - joined_at, 2),
             "answers": join_kinds,
             "silent_cold_starts": join_kinds.get("silent", 0),
+            "unavailable_without_hint": without_hint(join_records),
             "restores_on_rejoin": len(restore_seconds(cluster.instances[victim].log(), lines_back)),
         },
     }

@@ -10,7 +10,8 @@ on its own.
 ``ml100k_setup`` builds the test's model (random weights over ML-100K's catalog, small
 state: the scale-out mechanics do not depend on training) and sends the first ``limit``
 events of ML-100K in time order; ``reference`` is the single-process run the cluster must
-equal: every event through one in-process engine, ranked by its Ranker.
+equal: every event through one in-process engine, ranked by its Ranker. ``Prober`` keeps
+ranking users through some members while the group changes and records every answer.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -355,6 +357,87 @@ class Cluster:
 
         with ThreadPoolExecutor(threads) as pool:
             return dict(zip(users, pool.map(one, users)))
+
+
+class Answer(NamedTuple):
+    """One probed Rank call: seconds since the probe started, the user, the status code's
+    name, the answer's position and cold-start flag (-1, False unless OK), and whether an
+    UNAVAILABLE carried a retry hint (grpc-retry-pushback-ms > 0)."""
+
+    t: float
+    user: str
+    code: str
+    position: int
+    cold_start: bool
+    hint: bool
+
+
+class Prober:
+    """Threads that keep ranking ``users`` through ``members`` in turn, pausing ``pause_s``
+    after each call, and record every answer (``Answer``)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        members: list[int],
+        users: list[str],
+        threads: int = 3,
+        pause_s: float = 0.0,
+    ) -> None:
+        self.cluster, self.members, self.users, self.pause_s = cluster, members, users, pause_s
+        self.records: list[Answer] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.t0 = time.monotonic()
+        self._threads = [
+            threading.Thread(target=self._run, args=(k, threads), daemon=True)
+            for k in range(threads)
+        ]
+
+    def start(self) -> Prober:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _run(self, k: int, n: int) -> None:
+        mine = self.users[k::n]
+        j = 0
+        while not self._stop.is_set() and mine:
+            user = mine[j % len(mine)]
+            member = self.members[j % len(self.members)]
+            j += 1
+            request = rank_pb2.RankRequest(user_id=user, k=5, request_ts_ms=REQUEST_TS)
+            try:
+                res = self.cluster.stub(member).Rank(request, timeout=5)
+                rec = Answer(time.monotonic() - self.t0, user, "OK", res.position,
+                             res.cold_start, False)  # fmt: skip
+            except grpc.RpcError as e:
+                md = dict(e.trailing_metadata() or ())
+                hint = int(md.get("grpc-retry-pushback-ms", "0")) > 0
+                code = e.code().name
+                rec = Answer(time.monotonic() - self.t0, user, code, -1, False, hint)
+            with self._lock:
+                self.records.append(rec)
+            time.sleep(self.pause_s)
+
+    def stop(self) -> list[Answer]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=15)
+        return self.answers()
+
+    def answers(self) -> list[Answer]:
+        with self._lock:
+            return list(self.records)
+
+    def first_right(self, counts: dict[str, int], since: float) -> dict[str, float]:
+        """Per user: the first time after ``since`` it was answered OK at its true
+        position."""
+        out: dict[str, float] = {}
+        for a in self.answers():
+            if a.t >= since and a.code == "OK" and a.position == counts[a.user]:
+                out.setdefault(a.user, a.t)
+        return out
 
 
 def restored_lines(log: str) -> list[int]:

@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import random
 import signal
-import threading
 import time
 from collections import defaultdict
 
-import grpc
 import pytest
 
-from proto.recmem.v1 import rank_pb2
 from recmem.client import RankClient
 from streams.partitioner import partition_for
 from tests.cluster import (
     REQUEST_TS,
     Cluster,
+    Prober,
     assert_checkpoints_equal,
     assert_same_ranking,
     caught_up,
@@ -45,64 +43,6 @@ from tests.moto import CREDENTIALS
 
 PARTITIONS = 6
 MEMBERS = 3
-
-
-class Prober:
-    """Threads that keep ranking users through the given members and record every answer:
-    (seconds since start, user, status code, position, cold_start)."""
-
-    def __init__(self, cluster: Cluster, members: list[int], users: list[str], threads: int = 3):
-        self.cluster = cluster
-        self.members = members
-        self.users = users
-        self.records: list[tuple[float, str, str, int, bool]] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self.t0 = time.monotonic()
-        self._threads = [
-            threading.Thread(target=self._run, args=(k, threads), daemon=True)
-            for k in range(threads)
-        ]
-
-    def start(self) -> Prober:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def _run(self, k: int, n: int) -> None:
-        mine = self.users[k::n]
-        j = 0
-        while not self._stop.is_set():
-            user = mine[j % len(mine)]
-            member = self.members[j % len(self.members)]
-            j += 1
-            request = rank_pb2.RankRequest(user_id=user, k=5, request_ts_ms=REQUEST_TS)
-            try:
-                res = self.cluster.stub(member).Rank(request, timeout=5)
-                rec = (time.monotonic() - self.t0, user, "OK", res.position, res.cold_start)
-            except grpc.RpcError as e:
-                md = dict(e.trailing_metadata() or ())
-                code = e.code().name
-                if code == "UNAVAILABLE":
-                    assert int(md.get("grpc-retry-pushback-ms", "0")) > 0, (user, e.details())
-                rec = (time.monotonic() - self.t0, user, code, -1, False)
-            with self._lock:
-                self.records.append(rec)
-
-    def stop(self) -> list[tuple[float, str, str, int, bool]]:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=15)
-        return list(self.records)
-
-
-def first_right_answer(records, counts, since: float) -> dict[str, float]:
-    """Per user: the first time after ``since`` it was answered OK at its true position."""
-    out: dict[str, float] = {}
-    for t, user, code, pos, _ in records:
-        if t >= since and code == "OK" and pos == counts[user] and user not in out:
-            out[user] = t
-    return out
 
 
 @pytest.mark.slow
@@ -157,27 +97,26 @@ def test_members_route_every_user_and_survive_a_sigkill(tmp_path, kafka_config, 
             cluster.wait(lambda: cluster.settled(MEMBERS - 1), 60, "the survivors to settle")
             probed_moved = set(moved_users[:24])
             cluster.wait(
-                lambda: (
-                    set(first_right_answer(probe.records, work.counts, killed_at)) >= probed_moved
-                ),
+                lambda: set(probe.first_right(work.counts, killed_at)) >= probed_moved,
                 60,
                 "every probed moved user answered at its pre-kill position",
             )
         finally:
             records = probe.stop()
-        answered = first_right_answer(records, work.counts, killed_at)
+        answered = probe.first_right(work.counts, killed_at)
         handoff = max(answered[u] for u in probed_moved) - killed_at
         session_s = kafka.session_timeout_ms / 1000
         assert handoff < session_s + 15, f"handoff took {handoff:.1f} s"
         # no silent cold start, no old position: an OK answer is always the true one
-        oks = [r for r in records if r[2] == "OK"]
-        assert oks and all(pos == work.counts[u] and not cold for _, u, _, pos, cold in oks)
-        codes = {r[2] for r in records}
+        oks = [a for a in records if a.code == "OK"]
+        assert oks and all(a.position == work.counts[a.user] and not a.cold_start for a in oks)
+        codes = {a.code for a in records}
         assert codes <= {"OK", "UNAVAILABLE"}, codes
+        assert all(a.hint for a in records if a.code == "UNAVAILABLE"), "UNAVAILABLE, no hint"
         # the survivors' own users were answered throughout (cooperative: nothing of theirs
         # was revoked); the moved users were UNAVAILABLE for a while, with a retry hint
-        assert all(r[2] == "OK" for r in records if r[1] in set(kept_users[:12]))
-        assert any(r[2] == "UNAVAILABLE" for r in records if r[1] in probed_moved)
+        assert all(a.code == "OK" for a in records if a.user in set(kept_users[:12]))
+        assert any(a.code == "UNAVAILABLE" for a in records if a.user in probed_moved)
         restored_after = [
             p for i in survivors for p in restored_lines(cluster.instances[i].log())[
                 restored_before[i]:
