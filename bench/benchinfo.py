@@ -22,3 +22,36 @@ def git_commit() -> str:
         out = None
     commit = out.stdout.strip() if out is not None and out.returncode == 0 else ""
     return commit or os.environ.get("GIT_COMMIT", "unknown")
+
+
+def machine_facts() -> dict[str, object]:
+    """Where a benchmark ran: host, CPU model and count, memory, load, Python and torch."""
+    import platform
+
+    facts: dict[str, object] = {
+        "host": platform.node(),
+        "arch": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()],
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                facts["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                facts["memory_gb"] = round(int(line.split()[1]) / 1024**2, 1)
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        facts["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            facts["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return facts

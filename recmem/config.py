@@ -121,7 +121,23 @@ class CheckpointConfig:
     """Checkpoints: user states, positions, notes and consumer offsets as one unit."""
 
     dir: str = "runs/checkpoints"
-    """Checkpoint directory."""
+    """Checkpoint root: a directory, or s3://bucket/prefix for an object store through the
+    S3 API (AWS S3, MinIO). Every instance of a consumer group must reach the same root: a
+    rebalance moves a partition's state through it. Checkpoints go under
+    <dir>/<topic>/<group id>/p-NNNNN/."""
+    s3_endpoint_url: str = ""
+    """S3 API endpoint for an s3:// dir (empty: AWS; e.g. http://minio:9000). Credentials
+    come from the usual AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or files."""
+    s3_region: str = ""
+    """Region of an s3:// dir (empty: boto3's default)."""
+    conditional_writes: bool = True
+    """Fence stale owners at write time with conditional writes (S3 If-Match /
+    If-None-Match; a lock file in a directory). Off for an S3-compatible store without
+    them, or a shared filesystem whose locks do not reach every instance: writes are then
+    checked just before they commit, and restores ignore what a stale owner slipped in."""
+    restore_threads: int = 2
+    """Partitions restored at once, off the consumer's thread (a partition's users answer
+    UNAVAILABLE with a retry hint until it is restored)."""
     interval_s: float = 30.0
     """Seconds between checkpoints while ingesting."""
     keep: int = 3
@@ -189,6 +205,18 @@ class ServerConfig:
     """Listen address."""
     port: int = 50051
     """Listen port."""
+    advertised_address: str = ""
+    """host:port at which the other instances of the group and clients reach this one
+    (published in the group, recmem.client routes with it). Empty: server.host with the
+    bound port, a wildcard host (0.0.0.0, ::) replaced by this machine's host name."""
+    routing: str = "forward"
+    """A Rank or InspectUser for a user another instance of the group owns: forward = send
+    it there (one gRPC hop; the answer comes back through this instance) | redirect =
+    answer FAILED_PRECONDITION with the owner's address in the trailing metadata
+    (recmem-owner), for clients that route themselves (recmem.client.RankClient)."""
+    retry_hint_ms: int = 250
+    """The retry hint (trailing metadata grpc-retry-pushback-ms) of an UNAVAILABLE answer for
+    a user whose partition is being restored or moved, or whose owner does not answer."""
     max_k: int = 1000
     """Largest k accepted."""
     max_candidates: int = 10_000

@@ -75,6 +75,7 @@ RANGES: dict[str, str] = {
     "checkpoint.interval_s": "[0, inf)",
     "checkpoint.keep": "[1, inf)",
     "checkpoint.full_every": "[0, inf)",
+    "checkpoint.restore_threads": "[1, inf)",
     "archive.chunk_events": "[1, inf)",
     "archive.window": "[1, inf)",
     "archive.spans_per_chunk": "[1, inf)",
@@ -100,6 +101,7 @@ RANGES: dict[str, str] = {
     "server.torch_threads": "[0, inf)",
     "server.replay_cache_users": "[0, inf)",
     "server.shutdown_grace_s": "[0, inf)",
+    "server.retry_hint_ms": "[0, inf)",
 }
 """``section.field`` -> the interval its value must lie in (``[`` / ``]`` closed, ``(`` /
 ``)`` open). Every int and float field has one (a test checks)."""
@@ -113,6 +115,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kafka.on_offset_out_of_range": ("fail", "earliest", "latest"),
     "kafka.security_protocol": ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     "kafka.sasl_mechanism": ("", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"),
+    "kafka.assignor": ("cooperative-sticky", "range", "roundrobin"),
+    "server.routing": ("forward", "redirect"),
 }
 """``section.field`` -> its allowed values. ``memory.backend``, ``memory.train_backend``,
 ``model.hybrid``, ``model.request_time``, ``model.replay_fusion``, ``memory.unlock`` and

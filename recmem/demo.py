@@ -120,7 +120,12 @@ def _wait_applied(stub: Any, pb: Any, expected: dict[str, int], timeout_s: float
     positions = dict.fromkeys(expected, 0)
     while time.monotonic() < deadline:
         for user in expected:
-            reply = stub.InspectUser(pb.InspectUserRequest(user_id=user), timeout=5)
+            try:
+                reply = stub.InspectUser(pb.InspectUserRequest(user_id=user), timeout=5)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:  # restoring or moving: retry
+                    raise
+                continue
             positions[user] = int(reply.position)
         if all(positions[u] >= expected[u] for u in expected):
             return positions

@@ -1,5 +1,6 @@
 """``python -m recmem.healthcheck --config FILE``: exit 0 when the rank service answers
-SERVING on gRPC health checking and the checkpoint directory takes a file, else 1 with the
+SERVING on gRPC health checking and the checkpoint store takes an object (a directory takes
+a file; an s3:// location a small object written, read back and removed), else 1 with the
 reasons on stderr. The container health check of docker/docker-compose.yml; it reads the
 same configuration as the service (host 0.0.0.0 or :: is probed on loopback). It imports
 neither torch nor the server, so that a check every few seconds stays cheap."""
@@ -25,13 +26,22 @@ WILDCARDS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]", "[::]": "[:
 def problems(cfg: Config, timeout_s: float = 3.0, tls_name: str = "") -> list[str]:
     """What is wrong with the running service of ``cfg`` (empty: healthy)."""
     found = []
-    ckpt = Path(cfg.checkpoint.dir)
-    try:
-        ckpt.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=ckpt, prefix=".healthcheck-"):
-            pass
-    except OSError as e:
-        found.append(f"checkpoint.dir {ckpt} does not take a file: {e}")
+    ck = cfg.checkpoint
+    if ck.dir.startswith("s3://"):
+        from recmem.blobstore import S3Settings, open_blobs, probe
+
+        try:
+            probe(open_blobs(ck.dir, S3Settings(ck.s3_endpoint_url, ck.s3_region)))
+        except Exception as e:  # noqa: BLE001 - whatever the store says is the reason
+            found.append(f"checkpoint.dir {ck.dir} does not take an object: {e}")
+    else:
+        path = Path(ck.dir)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".healthcheck-"):
+                pass
+        except OSError as e:
+            found.append(f"checkpoint.dir {path} does not take a file: {e}")
     s = cfg.server
     target = f"{WILDCARDS.get(s.host, s.host)}:{s.port}"
     if s.tls_cert:

@@ -7,29 +7,46 @@ partition's next offset are written together, so after a crash the service resto
 newest complete checkpoint, the consumer seeks to its offset, and every event is applied
 exactly once. ``recmem ingest`` (``run_ingest``) is ``recmem serve`` without gRPC: the same
 builder, the same engine, the same checkpoint contents.
+
+A partition given to this member is claimed with the member's group generation (the
+fence, recmem/checkpoint/fencing.py) and restored by a restore thread, off the consumer's thread
+and off the rank path: the consumer keeps the partition paused meanwhile, the engine loop
+installs the restored users in slices with rank batches in between, and the partition
+serves rank calls only once it is complete (until then they fail with
+PartitionUnavailable: UNAVAILABLE with a retry hint, never a cold start). Every checkpoint
+carries the generation; one refused because a newer generation claimed the partition
+(``Fenced``) makes this member drop the partition.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from prometheus_client.core import CounterMetricFamily
 
 from models.state import MemoryState
-from recmem.checkpoint import CheckpointStore, PartitionCheckpoint, data_settings
+from recmem.checkpoint import (
+    NO_GENERATION,
+    CheckpointStore,
+    Fenced,
+    PartitionCheckpoint,
+    data_settings,
+)
 from recmem.config import CheckpointConfig, Config
 from recmem.engine.builder import BuiltEngine, build_engine
 from recmem.engine.engine import Engine
 from recmem.engine.loop import EngineLoop, LoopStopped
 from recmem.state_store import UserStateStore
+from streams.group import GroupView, Member
 from streams.metrics import IngestMetrics
-from streams.sink import Resume, SourceMarks
+from streams.sink import RESTORING, Restoring, Resume, SourceMarks
 from streams.validate import ValidEvent
 
 log = logging.getLogger(__name__)
@@ -41,11 +58,27 @@ slices)."""
 
 @dataclass
 class IngestTotals:
-    """Running figures of one adapter: batches handed over, checkpoints written."""
+    """Running figures of one adapter: batches handed over, checkpoints written, partitions
+    restored (and the bytes read and seconds taken), writes refused by a fence."""
 
     batches: int = 0
     checkpoints: int = 0
     checkpoint_seconds: float = 0.0
+    restores: int = 0
+    restore_seconds: float = 0.0
+    restore_bytes: int = 0
+    fenced: int = 0
+
+
+@dataclass
+class _Restore:
+    """One partition being restored by a restore thread."""
+
+    partition: int
+    generation: int
+    future: Future[PartitionCheckpoint | None] | None = None
+    cancelled: bool = False
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -82,11 +115,16 @@ def capture(
     return out
 
 
-def _install(engine: Engine, partition: int, ckpt: PartitionCheckpoint | None) -> None:
-    """Loop task: forget what an earlier ownership left, then adopt the restored users."""
+def _install(
+    engine: Engine, partition: int, ckpt: PartitionCheckpoint | None
+) -> Generator[None, None, None]:
+    """Loop task: forget what an earlier ownership left, adopt the restored users in slices
+    (rank batches run in between, and answer this partition's users UNAVAILABLE), then
+    serve the partition."""
     engine.drop_partition(partition)
     if ckpt is not None:
-        engine.adopt(partition, ckpt.user_ids, ckpt.state, ckpt.notes_parts)
+        yield from engine.adopt_steps(partition, ckpt.user_ids, ckpt.state, ckpt.notes_parts)
+    engine.serving.add(partition)
 
 
 def _drop(engine: Engine, partition: int) -> None:
@@ -104,6 +142,8 @@ class KafkaIngest:
         *,
         on_ready: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        owner: str = "",
+        on_view: Callable[[GroupView], None] | None = None,
     ) -> None:
         if loop.engine is None:
             raise ValueError("KafkaIngest needs a loop with an engine")
@@ -116,8 +156,21 @@ class KafkaIngest:
         """Every this many checkpoints of a partition one is full; 0 or 1: always full."""
         self.settings = data_settings(cfg)
         self.clock = clock
+        self.owner = owner
+        """Who this member is, recorded with its claims (its rank address)."""
         self._on_ready = on_ready
+        self._on_view = on_view
+        self.generation = NO_GENERATION
+        """The group generation of the latest assignment (what claims and writes carry)."""
         self.assigned: set[int] = set()
+        """Partitions restored here and consuming."""
+        self._restoring: dict[int, _Restore] = {}
+        self._fenced: set[int] = set()
+        """Partitions whose checkpoint a newer generation refused (dropped at the next
+        sink call)."""
+        self._restorer = ThreadPoolExecutor(
+            cfg.checkpoint.restore_threads, thread_name_prefix="checkpoint-restore"
+        )
         self.next_offsets: dict[int, int] = {}
         """Per partition: the offset after the last record handed to the loop."""
         self.written: dict[int, int] = {}
@@ -137,49 +190,135 @@ class KafkaIngest:
 
     # ---- BatchSink ---------------------------------------------------------------------
 
-    def on_assigned(self, partitions: list[int]) -> dict[int, Resume]:
-        offsets: dict[int, Resume] = {}
-        for p in partitions:
-            # read and verified on this thread; the loop only installs
-            ckpt = self.checkpoints.restore(p, settings=self.settings)
-            self._call(partial(_install, partition=p, ckpt=ckpt))
-            if ckpt is None:
-                # no checkpoint: the state is empty, so read the partition from its start
-                # (never from a committed offset, which would skip events)
-                offsets[p] = Resume(0)
-                self.source[p] = {}
-            else:
-                if ckpt.model_version != self.engine.model_version:
-                    log.warning(
-                        "partition %d: checkpoint written by model %s, continuing with %s",
-                        p, ckpt.model_version, self.engine.model_version,
-                    )  # fmt: skip
-                src = {k: str(v) for k, v in ckpt.source.items()}
-                offsets[p] = Resume(
-                    ckpt.next_offset, src.get("topic_id", ""), src.get("last_record", "")
-                )
-                self.source[p] = src
-                self.written[p] = ckpt.next_offset
-                self._head[p] = (ckpt.path.name, len(ckpt.chain) - 1)
-                log.info(
-                    "partition %d: restored %d users at offset %d from %s",
-                    p, len(ckpt.user_ids), ckpt.next_offset, " + ".join(ckpt.chain),
-                )  # fmt: skip
-            self.next_offsets[p] = offsets[p].next_offset
-            self.assigned.add(p)
-        if self._on_ready is not None:
+    def on_group(self, view: GroupView) -> None:
+        """A new generation: what the next claims and writes carry. A member given no
+        partition at all is ready at once (it answers by forwarding)."""
+        self.generation = view.generation
+        if self._on_view is not None:
+            self._on_view(view)
+        mine = any(m.address == self.owner for m in view.owners.values())
+        if self._on_ready is not None and not mine and not self.assigned and not self._restoring:
             self._on_ready()
             self._on_ready = None
-        return offsets
+
+    def on_assigned(self, partitions: list[int]) -> dict[int, Resume | int | Restoring]:
+        """Claim and restore each partition on a restore thread; the consumer keeps them
+        paused until ``restored`` hands out their resume points."""
+        self._drop_fenced()
+        for p in partitions:
+            job = _Restore(p, self.generation)
+            self._restoring[p] = job
+            job.future = self._restorer.submit(self._restore, job)
+        return dict.fromkeys(partitions, RESTORING)
+
+    def _restore(self, job: _Restore) -> PartitionCheckpoint | None:
+        """Restore thread: claim the partition (the fence), read and verify its newest
+        checkpoint, have the loop install it."""
+        p = job.partition
+        self.checkpoints.claim(p, job.generation, self.owner)
+        ckpt = self.checkpoints.restore(
+            p, settings=self.settings, model_version=self.engine.model_version
+        )
+        with self._lock:
+            if job.cancelled:
+                return None
+            install = self.loop.run_task(partial(_install, partition=p, ckpt=ckpt))
+        install.result()
+        return ckpt
+
+    def restored(self) -> dict[int, Resume]:
+        """The partitions whose restore finished since the last call, with where each
+        resumes (the checkpoint's offset and source, or 0: read from the start). A
+        restore's error ends the run, except a claim refused by a newer generation (this
+        member is stale: the partition stays paused until the group takes it away)."""
+        self._drop_fenced()
+        out: dict[int, Resume] = {}
+        for p, job in list(self._restoring.items()):
+            if job.future is None or not job.future.done():
+                continue
+            del self._restoring[p]
+            try:
+                ckpt = job.future.result()
+            except Fenced as e:
+                log.warning("partition %d not restored: %s", p, e)
+                self.totals.fenced += 1
+                continue
+            except LoopStopped as e:
+                raise RuntimeError(f"the engine stopped: {e}") from e.__cause__ or e
+            out[p] = self._adopted(p, ckpt, time.monotonic() - job.started)
+        if self._on_ready is not None and out and not self._restoring:
+            self._on_ready()
+            self._on_ready = None
+        return out
+
+    def _adopted(self, p: int, ckpt: PartitionCheckpoint | None, seconds: float) -> Resume:
+        if ckpt is None:
+            # no checkpoint: the state is empty, so read the partition from its start
+            # (never from a committed offset, which would skip events)
+            resume = Resume(0)
+            self.source[p] = {}
+        else:
+            src = {k: str(v) for k, v in ckpt.source.items()}
+            resume = Resume(ckpt.next_offset, src.get("topic_id", ""), src.get("last_record", ""))
+            self.source[p] = src
+            self.written[p] = ckpt.next_offset
+            self._head[p] = (ckpt.path.name, len(ckpt.chain) - 1)
+            self.totals.restores += 1
+            self.totals.restore_seconds += seconds
+            self.totals.restore_bytes += ckpt.bytes_read
+            log.info(
+                "partition %d: restored %d users at offset %d from %s (generation %d) "
+                "in %.2f s",
+                p, len(ckpt.user_ids), ckpt.next_offset, " + ".join(ckpt.chain),
+                ckpt.generation, seconds,
+            )  # fmt: skip
+        self.next_offsets[p] = resume.next_offset
+        self.assigned.add(p)
+        return resume
+
+    def restore_now(self, partitions: list[int], timeout_s: float = 60.0) -> dict[int, Resume]:
+        """``on_assigned`` and wait for the restores (callers that drive the sink
+        themselves: tests, tools)."""
+        self.on_assigned(partitions)
+        deadline = time.monotonic() + timeout_s
+        out: dict[int, Resume] = {}
+        while set(partitions) - set(out):
+            out.update(self.restored())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"partitions {partitions} not restored in {timeout_s}s")
+            time.sleep(0.005)
+        return out
+
+    @property
+    def restoring(self) -> list[int]:
+        return sorted(self._restoring)
 
     def on_revoked(self, partitions: list[int]) -> None:
+        self._cancel(partitions)
         self._write([p for p in partitions if p in self.assigned])
         self._forget(partitions)
 
     def on_lost(self, partitions: list[int]) -> None:
         """Partitions taken away without a clean revoke: another member may own them already,
         so nothing is written; the states are dropped."""
+        self._cancel(partitions)
         self._forget(partitions)
+
+    def _cancel(self, partitions: list[int]) -> None:
+        """Abandon restores of these partitions (one whose install already started is
+        dropped after it by ``_forget``'s loop task, in order)."""
+        with self._lock:
+            for p in partitions:
+                job = self._restoring.pop(p, None)
+                if job is not None:
+                    job.cancelled = True
+
+    def _drop_fenced(self) -> None:
+        with self._lock:
+            fenced, self._fenced = sorted(self._fenced), set()
+        if fenced:
+            log.warning("partitions %s: a newer generation owns them; dropped here", fenced)
+            self._forget(fenced)
 
     def apply_batch(
         self,
@@ -187,6 +326,11 @@ class KafkaIngest:
         next_offsets: dict[int, int],
         source: SourceMarks | None = None,
     ) -> None:
+        self._drop_fenced()
+        if any(p not in self.assigned for p in next_offsets):
+            # a partition dropped here after a fenced write: not ours to apply
+            events = [e for e in events if e.partition in self.assigned]
+            next_offsets = {p: o for p, o in next_offsets.items() if p in self.assigned}
         try:
             self.loop.submit_apply(events)
         except LoopStopped as e:
@@ -208,6 +352,7 @@ class KafkaIngest:
         """Start a checkpoint of every assigned partition whose offset moved: the loop copies
         the contents at once; a writer thread writes the files while consumption goes on.
         Returns the offsets whose checkpoints are complete (the consumer commits those)."""
+        self._drop_fenced()
         if self._writing is None or self._writing.done():
             self._write(sorted(self.assigned), wait=False)
             self._last_checkpoint = self.clock()
@@ -221,11 +366,14 @@ class KafkaIngest:
             return {p: self.written[p] for p in sorted(self.assigned) if p in self.written}
 
     def close(self) -> None:
-        """Wait for a checkpoint being written (raises its error), stop the writer."""
+        """Wait for a checkpoint being written (raises its error), stop the writer and the
+        restore threads (restores not done are abandoned)."""
+        self._cancel(list(self._restoring))
         try:
             self._settle()
         finally:
             self._writer.shutdown(wait=True)
+            self._restorer.shutdown(wait=True, cancel_futures=True)
 
     def drain(self) -> None:
         """Wait until every batch handed over is installed (raises if ingest failed)."""
@@ -280,17 +428,27 @@ class KafkaIngest:
         for c in captured:
             head = self._head.get(c.partition)
             full = c.full or head is None
-            path = self.checkpoints.write(
-                c.partition,
-                c.users,
-                c.state,
-                offsets[c.partition],
-                model_version=self.engine.model_version,
-                settings=self.settings,
-                notes=c.arrays,
-                parent=None if full or head is None else head[0],
-                source=sources[c.partition],
-            )
+            try:
+                path = self.checkpoints.write(
+                    c.partition,
+                    c.users,
+                    c.state,
+                    offsets[c.partition],
+                    model_version=self.engine.model_version,
+                    settings=self.settings,
+                    notes=c.arrays,
+                    parent=None if full or head is None else head[0],
+                    source=sources[c.partition],
+                    generation=self.generation,
+                    owner=self.owner,
+                )
+            except Fenced as e:
+                log.warning("partition %d: checkpoint refused: %s", c.partition, e)
+                self.totals.fenced += 1
+                with self._lock:
+                    self._fenced.add(c.partition)
+                continue
+
             with self._lock:
                 self._head[c.partition] = (path.name, 0 if full or head is None else head[1] + 1)
                 self.written[c.partition] = offsets[c.partition]
@@ -306,6 +464,7 @@ class KafkaIngest:
         for p in partitions:
             self._call(partial(_drop, partition=p))
             self.assigned.discard(p)
+            self._fenced.discard(p)
             self.next_offsets.pop(p, None)
             self.written.pop(p, None)
             self.source.pop(p, None)
@@ -351,13 +510,14 @@ def run_ingest(cfg: Config, *, init_model: bool = False) -> tuple[BuiltEngine, I
 
     built = build_engine(cfg, init_model=init_model)
     ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
-    consumer = EventConsumer(cfg.kafka, ingest)
+    kafka = dataclasses.replace(cfg.kafka, group_id=built.group_id)
+    consumer = EventConsumer(kafka, ingest, member=Member(tag=built.model_version))
     store = built.engine.store
     register_gauges(consumer.metrics, built.engine)
     consumer.install_signal_handlers()
     log.info(
         "ingesting %s (group %s) on %s; %d bytes per user state",
-        cfg.kafka.topic, cfg.kafka.group_id, store.device, store.bytes_per_user(),
+        cfg.kafka.topic, kafka.group_id, store.device, store.bytes_per_user(),
     )  # fmt: skip
     try:
         consumer.run()

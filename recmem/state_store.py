@@ -4,7 +4,7 @@ present), host memory, and disk.
 The slab holds the users being updated; the least recently used ones move to host memory
 when a slot is needed, and past ``host_capacity`` on to one file per user in a private
 spill directory. A user comes back on demand, bit-exact (raw bytes, any dtype). The spill
-files are a cache, not a durable copy: checkpoints (recmem/checkpoint.py) are the durable
+files are a cache, not a durable copy: checkpoints (recmem/checkpoint/) are the durable
 copy, so a new store starts with an empty spill directory of its own.
 """
 

@@ -39,7 +39,16 @@ class KafkaConfig:
     session_timeout_ms: int = 10_000
     """Consumer group session timeout."""
     heartbeat_interval_ms: int = 1_000
-    """Consumer group heartbeat interval."""
+    """Consumer group heartbeat interval (a member learns of a rebalance at its next
+    heartbeat)."""
+    assignor: str = "cooperative-sticky"
+    """Partition assignment: cooperative-sticky (a rebalance moves only the partitions
+    that must move; the others keep being consumed and ranked) | range | roundrobin
+    (eager: every rebalance revokes and reassigns every partition of every member)."""
+    group_instance_id: str = ""
+    """Static membership (KIP-345): a stable id per instance (e.g. the pod name), so that
+    a restart within the session timeout gets its partitions back without a rebalance.
+    Empty: dynamic membership. Not settled by the embedded broker (docs/scaling.md)."""
     min_ts_ms: int = 631_152_000_000
     """Events before this time (ms since the epoch) go to the dead-letter topic; the default,
     1990-01-01 UTC, admits historical datasets (MovieLens-100K starts in 1997, MovieLens-25M

@@ -5,6 +5,10 @@ dead letters.
 One thread runs :meth:`EventConsumer.run`; :meth:`EventConsumer.stop` (from any thread or a
 signal handler) makes it finish the current batch, checkpoint, commit and leave the group.
 Auto-commit is off: offsets reach Kafka only after the sink has checkpointed them.
+
+The member publishes a :class:`streams.group.Member` (its rank address, its model version)
+and learns the group's partition -> owner map with every assignment (streams/group.py);
+partitions the sink restores in the background stay paused until their restore is done.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from streams.dead_letters import (
     dead_letter_record,
     minimal_dead_letter,
 )
+from streams.group import GroupRefused, GroupView, Member, make_assignor
 from streams.metrics import IngestMetrics
 from streams.positions import PositionError, as_resume, decide, fingerprint, judge, probe
-from streams.sink import BatchSink, SourceMarks
+from streams.sink import RESTORING, BatchSink, SourceMarks
 from streams.validate import DeadLetter, Limits, ValidEvent, validate_record
 
 log = logging.getLogger(__name__)
@@ -74,6 +79,9 @@ class EventConsumer:
     ``metrics``: where figures go (a fresh :class:`IngestMetrics` when None); its HTTP
     endpoint is started on ``cfg.metrics_port`` unless that is 0. ``clock`` gives the
     current time in seconds (the validation time window is measured against it).
+    ``member``: what this member publishes to the group (its rank address and model
+    version; members whose version is not the group's get no partitions and ``run``
+    raises :class:`streams.group.GroupRefused`).
     """
 
     def __init__(
@@ -84,8 +92,10 @@ class EventConsumer:
         *,
         client_id: str = "recmem-ingest",
         clock: Callable[[], float] = time.time,
+        member: Member | None = None,
     ) -> None:
         self.cfg = cfg
+        self.member = member or Member()
         self.sink = sink
         self.metrics = metrics if metrics is not None else IngestMetrics()
         self.client_id = client_id
@@ -102,6 +112,11 @@ class EventConsumer:
         self._topic_id = ""
         """The broker's id of the topic (from the last assignment's check; "" unknown)."""
         self._position_error: PositionError | None = None
+        self._restoring: set[int] = set()
+        """Assigned partitions the sink restores in the background (paused until done)."""
+        self.view: GroupView | None = None
+        """The group as of the latest assignment (generation, partition owners)."""
+        self._refused: GroupRefused | None = None
 
     # ----------------------------------------------------------------- control
     def stop(self) -> None:
@@ -116,6 +131,11 @@ class EventConsumer:
     def assignment(self) -> list[int]:
         """Partitions this consumer owns now."""
         return list(self._assigned)
+
+    @property
+    def restoring(self) -> list[int]:
+        """Owned partitions the sink is still restoring (paused)."""
+        return sorted(self._restoring)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT call :meth:`stop` (main thread only)."""
@@ -157,14 +177,22 @@ class EventConsumer:
                 fetch_max_wait_ms=max(1, min(cfg.max_wait_ms, 500)),
                 session_timeout_ms=cfg.session_timeout_ms,
                 heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+                partition_assignment_strategy=[
+                    make_assignor(cfg.assignor, self.member, self._on_view)
+                ],
+                group_instance_id=cfg.group_instance_id or None,
                 **settings,
             )
             self._consumer.subscribe([cfg.topic], listener=_Listener(self))
-            log.info("consuming %s as group %s", cfg.topic, cfg.group_id)
+            log.info("consuming %s as group %s (%s)", cfg.topic, cfg.group_id, cfg.assignor)
             while not self._stop.is_set():
                 records = self._poll()
+                if self._refused is not None:
+                    raise self._refused
                 if records:
                     self._process(records)
+                if self._restoring:
+                    self._resume_restored()
                 with self._sink_lock:
                     due = bool(self._assigned) and self.sink.checkpoint_due()
                 if due:
@@ -345,6 +373,8 @@ class EventConsumer:
             return
         self._last_lag = now
         for p in self._assigned:
+            if p in self._restoring:
+                continue
             tp = TopicPartition(self.cfg.topic, p)
             try:
                 high = self._consumer.highwater(tp)  # known once a fetch for tp returned
@@ -355,10 +385,28 @@ class EventConsumer:
                 self.metrics.lag.labels(partition=str(p)).set(max(0, high - pos))
 
     # --------------------------------------------------------------- rebalance
+    def _on_view(self, view: GroupView) -> None:
+        """The leader's assignment of a new generation (before its revoke and assign
+        callbacks)."""
+        self.view = view
+        if view.refused:
+            self._refused = GroupRefused(
+                f"group {self.cfg.group_id} serves {view.tag!r} and this member carries "
+                f"{self.member.tag!r}: it was given no partitions. Run each model version "
+                "in a group of its own (kafka.group_id, e.g. 'recmem-{model_version}'; "
+                "docs/scaling.md, Rolling out a model)"
+            )
+            return
+        on_group = getattr(self.sink, "on_group", None)
+        if on_group is not None and not self._failed:
+            with self._sink_lock:
+                on_group(view)
+
     def _on_revoked(self, partitions: list[int], lost: bool) -> None:
         for p in partitions:
             with contextlib.suppress(KeyError):
                 self.metrics.lag.remove(str(p))
+        self._restoring -= set(partitions)
         self._assigned = [p for p in self._assigned if p not in partitions]
         self.metrics.assigned.set(len(self._assigned))
         if not partitions or self._failed:
@@ -374,16 +422,48 @@ class EventConsumer:
     def _on_assigned(self, partitions: list[int]) -> None:
         self._assigned = sorted(set(self._assigned) | set(partitions))
         self.metrics.assigned.set(len(self._assigned))
-        if not partitions or self._failed:
+        if not partitions or self._failed or self._refused is not None:
             return
         with self._sink_lock:
-            resumes = {p: as_resume(r) for p, r in self.sink.on_assigned(partitions).items()}
+            answers = self.sink.on_assigned(partitions)
         assert self._consumer is not None
+        later = sorted(p for p, r in answers.items() if r is RESTORING and p in partitions)
+        if later:
+            # not fetched until restored; the placeholder position is never read
+            tps = [TopicPartition(self.cfg.topic, p) for p in later]
+            self._consumer.pause(*tps)
+            for tp in tps:
+                self._consumer.seek(tp, 0)
+            self._restoring |= set(later)
+            log.info("partitions %s assigned; restoring in the background", later)
+        now = [p for p in partitions if p not in later]
+        resumes = {p: as_resume(r) for p, r in answers.items() if p in now}
         try:
-            seeks = self._checked_seeks(partitions, resumes)
+            seeks = self._checked_seeks(now, resumes)
         except PositionError as e:
             self._position_error = e  # kafka-python wraps what a listener raises
             raise
+        self._seek(seeks)
+        if now:
+            log.info("partitions %s assigned; resuming from %s", now, seeks)
+
+    def _resume_restored(self) -> None:
+        """Seek and resume the partitions whose background restore finished."""
+        restored = getattr(self.sink, "restored", None)
+        if restored is None or self._consumer is None:
+            return
+        with self._sink_lock:
+            done = {p: as_resume(r) for p, r in restored().items() if p in self._restoring}
+        if not done:
+            return
+        seeks = self._checked_seeks(sorted(done), done)
+        self._seek(seeks)
+        self._consumer.resume(*(TopicPartition(self.cfg.topic, p) for p in done))
+        self._restoring -= set(done)
+        log.info("partitions %s restored; resuming from %s", sorted(done), seeks)
+
+    def _seek(self, seeks: dict[int, int | str]) -> None:
+        assert self._consumer is not None
         for p, where in sorted(seeks.items()):
             tp = TopicPartition(self.cfg.topic, p)
             if where == "earliest":
@@ -392,7 +472,6 @@ class EventConsumer:
                 self._consumer.seek_to_end(tp)
             else:
                 self._consumer.seek(tp, int(where))
-        log.info("partitions %s assigned; resuming from %s", partitions, seeks)
 
     def _checked_seeks(self, partitions: list[int], resumes: dict) -> dict[int, int | str]:
         """Partition -> offset, "earliest" or "latest": each checkpoint's resume point after

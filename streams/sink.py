@@ -4,12 +4,20 @@ offsets of the events it applied (state and offsets move together, one unit).
 
 Call order, all on the consumer's thread:
 
+- optional ``on_group(view)`` (a ``streams.group.GroupView``) when a rebalance's assignment
+  arrives, before that rebalance's ``on_revoked`` / ``on_assigned``: the generation (the
+  epoch the sink's checkpoints carry) and every partition's owner.
 - ``on_assigned(partitions)`` after each group rebalance, before any batch of those
-  partitions: the sink loads its checkpoint for them and returns, per partition, where to
+  partitions, with the partitions this member gained (under the cooperative protocol only
+  the new ones; under an eager one all of them): the sink returns, per partition, where to
   resume (a ``Resume``: the next offset, and what the checkpoint recorded about the topic;
-  a plain int is a next offset with nothing recorded; 0 = the partition's first offset).
-  The consumer checks the resume point against the broker (streams/positions.py: topic id,
-  the record before the offset, the log's bounds) and seeks there, or applies
+  a plain int is a next offset with nothing recorded; 0 = the partition's first offset),
+  or ``RESTORING`` when it restores the partition in the background: the consumer then
+  pauses the partition and asks ``restored()`` after every poll, which returns the resume
+  points of the partitions whose restore finished; those are resumed. (Kafka-python runs
+  rebalance callbacks on its network thread, where a long restore would stall heartbeats.)
+  The consumer checks each resume point against the broker (streams/positions.py: topic
+  id, the record before the offset, the log's bounds) and seeks there, or applies
   ``kafka.on_topic_mismatch`` / ``kafka.on_offset_out_of_range`` (default: fail). Partitions
   left out start from the group's committed offset, else the earliest.
 - ``apply_batch(events, next_offsets, source)`` for each micro-batch: ``events`` in
@@ -22,11 +30,15 @@ Call order, all on the consumer's thread:
 - ``checkpoint_due()`` after each poll; when true, ``checkpoint()`` persists state and
   offsets atomically and returns the offsets it wrote; the consumer then commits them to the
   group (for monitoring and as the fallback start; the sink's checkpoint is the truth).
-- ``on_revoked(partitions)`` before a rebalance takes partitions away and when the consumer
-  closes: the sink writes its checkpoint for them and drops them.
+- ``on_revoked(partitions)`` before a rebalance takes partitions away (cooperative: only
+  those that move) and when the consumer closes: the sink writes its checkpoint for them
+  and drops them (a partition still restoring is dropped once its restore is abandoned).
 - optional ``on_lost(partitions)``: the group evicted this consumer (session expired), so
   another member may already own these partitions; the sink should drop them without
   writing a checkpoint. A sink without this method gets ``on_revoked`` instead.
+
+Calls run on the consumer's thread, or on kafka-python's network thread while the consumer
+thread waits inside ``poll()`` / ``close()`` (rebalance callbacks), never at the same time.
 
 After an exception from the sink (or from writing dead letters) the consumer closes
 without calling the sink again: a half-applied batch is never checkpointed.
@@ -37,10 +49,20 @@ crash after a checkpoint can never lose a bad record.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from streams.validate import ValidEvent
+
+
+class Restoring:
+    def __repr__(self) -> str:
+        return "RESTORING"
+
+
+RESTORING: Final = Restoring()
+"""``on_assigned``'s answer for a partition the sink restores in the background."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +88,9 @@ class SourceMarks:
 
 
 class BatchSink(Protocol):
-    def on_assigned(self, partitions: list[int]) -> dict[int, Resume] | dict[int, int]:
+    def on_assigned(self, partitions: list[int]) -> Mapping[int, Resume | int | Restoring]:
         """Partition -> where to resume, from the sink's checkpoint (missing = committed
-        offset, else earliest)."""
+        offset, else earliest), or RESTORING (then ``restored()`` gives it later)."""
         ...
 
     def on_revoked(self, partitions: list[int]) -> None:

@@ -30,6 +30,16 @@ def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedB
         yield broker
 
 
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[object]:
+    """An S3 emulator (moto_server) on a free loopback port for the whole test session;
+    ``s3_server.bucket()`` makes a fresh bucket (tests/moto.py)."""
+    from tests.moto import MotoServer
+
+    with MotoServer() as server:
+        yield server
+
+
 KafkaConfigFactory = Callable[..., KafkaConfig]
 
 

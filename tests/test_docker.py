@@ -116,7 +116,7 @@ def test_kafka_advertises_an_inside_and_an_outside_listener():
     assert f"{port}:{port}" in [expand(p) for p in kafka["ports"]]
 
 
-def test_data_volumes_for_kafka_and_the_checkpoints():
+def test_data_volumes_for_kafka_minio_and_the_service():
     doc = compose()
     services = doc["services"]
     declared = set(doc["volumes"])
@@ -129,12 +129,30 @@ def test_data_volumes_for_kafka_and_the_checkpoints():
     assert services["kafka"]["environment"]["KAFKA_LOG_DIRS"] in kafka
     recmem = named_mounts("recmem")
     cfg = served_config()
-    assert cfg.checkpoint.dir in recmem, "the checkpoints need a volume"
-    assert recmem[cfg.checkpoint.dir] not in kafka.values()
+    minio = named_mounts("minio")
+    assert "/data" in minio and minio["/data"] not in kafka.values()
     for path in (cfg.server.model_dir, cfg.state.spill_dir, cfg.data.cache_dir):
         assert any(path.startswith(target + "/") for target in recmem), path
     used = {s for name in services for s in named_mounts(name).values()}
     assert used == declared
+
+
+def test_checkpoints_go_to_minio_through_the_s3_api():
+    """Every instance of the group reaches the same checkpoint store: MinIO's bucket, made
+    by minio-init before the service starts, with the credentials the service is given."""
+    services = compose()["services"]
+    cfg = served_config()
+    bucket = cfg.checkpoint.dir.removeprefix("s3://").split("/")[0]
+    assert cfg.checkpoint.dir.startswith("s3://")
+    assert cfg.checkpoint.s3_endpoint_url == "http://minio:9000"
+    assert f"local/{bucket}" in services["minio-init"]["command"][0]
+    depends = services["recmem"]["depends_on"]
+    assert depends["minio-init"]["condition"] == "service_completed_successfully"
+    env = {k: expand(v) for k, v in services["recmem"]["environment"].items()}
+    minio_env = {k: expand(v) for k, v in services["minio"]["environment"].items()}
+    assert env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"]
+    assert env["AWS_SECRET_ACCESS_KEY"] == minio_env["MINIO_ROOT_PASSWORD"]
+    assert services["minio"]["healthcheck"]["test"][:2] == ["CMD", "mc"]
 
 
 def test_healthchecks_for_kafka_and_the_service():

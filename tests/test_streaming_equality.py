@@ -106,10 +106,15 @@ def test_rank_over_grpc_equals_offline_evaluation(tmp_path: Path, kafka_config) 
             stub = rank_pb2_grpc.RecMemStub(ch)
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
-                got = [
-                    stub.InspectUser(rank_pb2.InspectUserRequest(user_id=u), timeout=TIMEOUT)
-                    for u in counts
-                ]
+                try:
+                    got = [
+                        stub.InspectUser(rank_pb2.InspectUserRequest(user_id=u), timeout=TIMEOUT)
+                        for u in counts
+                    ]
+                except grpc.RpcError as e:  # before the partitions are assigned and restored
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                    time.sleep(0.3)
+                    continue
                 if all(g.position == counts[g.user_id] for g in got):
                     break
                 time.sleep(0.3)

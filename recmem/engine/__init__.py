@@ -7,7 +7,7 @@ builder every entry point uses). docs/ingest.md and docs/serving.md describe bot
 """
 
 from recmem.engine.engine import ApplyCounts, Engine, GroupedBatch, UserInfo, group_events
-from recmem.engine.loop import EngineLoop, LoopStopped
+from recmem.engine.loop import EngineLoop, LoopStopped, PartitionUnavailable
 from recmem.engine.tails import RecentEvents
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "EngineLoop",
     "GroupedBatch",
     "LoopStopped",
+    "PartitionUnavailable",
     "RecentEvents",
     "UserInfo",
     "group_events",

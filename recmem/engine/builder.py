@@ -14,7 +14,8 @@ import torch
 
 from models.recommender import MemoryRecommender
 from recmem.archive import NoteBank
-from recmem.checkpoint import CheckpointStore
+from recmem.blobstore import S3Settings
+from recmem.checkpoint import CheckpointStore, checkpoint_root
 from recmem.config import Config
 from recmem.engine.engine import Engine
 from recmem.engine.loop import EngineLoop
@@ -42,17 +43,36 @@ class BuiltEngine:
     def device(self) -> torch.device:
         return self.engine.device
 
+    @property
+    def group_id(self) -> str:
+        """``kafka.group_id`` with ``{model_version}`` replaced by this model's version."""
+        return resolve_group_id(self.cfg.kafka.group_id, self.model_version)
+
     def checkpoints(self) -> CheckpointStore:
-        """The checkpoint store of the configured topic (``checkpoint.dir``/topic)."""
+        """The checkpoint store of the configured topic and group
+        (``checkpoint.dir``/topic/group, a directory or an s3:// location)."""
+        ck = self.cfg.checkpoint
         layout = StateLayout.from_config(self.cfg.memory, self.cfg.model)
-        root = Path(self.cfg.checkpoint.dir) / self.cfg.kafka.topic
-        return CheckpointStore(root, layout, keep=self.cfg.checkpoint.keep)
+        return CheckpointStore(
+            checkpoint_root(ck.dir, self.cfg.kafka.topic, self.group_id),
+            layout,
+            keep=ck.keep,
+            s3=S3Settings(ck.s3_endpoint_url, ck.s3_region),
+            conditional=ck.conditional_writes,
+        )
 
     def close(self) -> None:
         """Stop the loop (if started) and remove the store's spill files."""
         if self.loop.alive:
             self.loop.stop()
         self.engine.store.close()
+
+
+def resolve_group_id(group_id: str, model_version: str) -> str:
+    """The consumer group of a service: ``{model_version}`` in ``kafka.group_id`` stands for
+    the served model's version, so that each model version consumes in a group of its own
+    (the rollout path, docs/scaling.md)."""
+    return group_id.replace("{model_version}", model_version)
 
 
 def popularity_from_extra(extra: dict[str, Any], n_items: int) -> np.ndarray | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +169,10 @@ class Engine:
         self.model_version = model_version
         self.partition_of: dict[str, int] = {}
         self._users_of: dict[int, set[str]] = {}
+        self.serving: set[int] = set()
+        """Partitions whose state is complete here (restored and installed, or started
+        from nothing): a rank call for a user of another partition is not answered from
+        this engine (``EngineLoop.submit(..., partition=)``)."""
         self._dirty: dict[int, set[str]] = {}
         """Per partition: users whose state changed since :meth:`clear_dirty` (deltas)."""
         self.totals = EngineTotals()
@@ -365,9 +369,26 @@ class Engine:
     ) -> None:
         """Install a partition's restored users: states, then notes and latest events of
         each checkpoint of its chain in order (later parts replace earlier ones)."""
-        self.store.put(user_ids, state)
-        for user in user_ids:
-            self._record(user, partition)
+        for _ in self.adopt_steps(partition, user_ids, state, arrays_parts):
+            pass
+
+    def adopt_steps(
+        self,
+        partition: int,
+        user_ids: list[str],
+        state: MemoryState,
+        arrays_parts: Sequence[tuple[list[str], dict[str, np.ndarray] | None]] = (),
+        slice_users: int = 4096,
+    ) -> Iterator[None]:
+        """``adopt`` in steps (the states ``slice_users`` at a time), yielding between them
+        so that the engine loop ranks in between; the partition is not ``serving`` until
+        its caller says so."""
+        for start in range(0, len(user_ids), slice_users):
+            rows = user_ids[start : start + slice_users]
+            self.store.put(rows, state.index(slice(start, start + len(rows))))
+            for user in rows:
+                self._record(user, partition)
+            yield
         for users, arrays in arrays_parts:
             arrays = arrays or {}
             if self.bank is not None:
@@ -379,10 +400,12 @@ class Engine:
                     self.bank.drop_users(users)
             self.tails.load(users, arrays)
             self.seen.load(users, arrays)
+            yield
         self.replay_cache.forget(user_ids)
 
     def drop_partition(self, partition: int) -> int:
-        """Forget the partition's users (states, notes, latest events)."""
+        """Forget the partition's users (states, notes, latest events); it stops serving."""
+        self.serving.discard(partition)
         self._dirty.pop(partition, None)
         users = self._users_of.pop(partition, set())
         for user in users:

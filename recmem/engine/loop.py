@@ -60,6 +60,15 @@ class LoopStopped(RuntimeError):
     """The engine loop no longer accepts work (stopping, or ingest failed)."""
 
 
+class PartitionUnavailable(LookupError):
+    """The request's partition is not served by this engine now: still restoring, or no
+    longer (or not yet) owned here. Never answered from an empty state."""
+
+    def __init__(self, partition: int) -> None:
+        super().__init__(f"partition {partition} is not served here now (restoring or moving)")
+        self.partition = partition
+
+
 @dataclass
 class _Apply:
     events: Sequence[ValidEvent]
@@ -125,7 +134,7 @@ class EngineLoop:
         self._last_size = 0
         self._expected = 1
         self._inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._ranks: deque[tuple[RankQuery, Future[RankResult]]] = deque()
+        self._ranks: deque[tuple[RankQuery, Future[RankResult], int | None]] = deque()
         self._reads: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._ingest: deque[_Apply | _Task] = deque()
         self._applying: deque[_Apply] = deque()
@@ -162,10 +171,14 @@ class EngineLoop:
                 raise LoopStopped("the engine is shutting down")
             self._inbox.put(item)
 
-    def submit(self, query: RankQuery) -> Future[RankResult]:
-        """Queue one rank request; the future resolves when its micro-batch has run."""
+    def submit(self, query: RankQuery, partition: int | None = None) -> Future[RankResult]:
+        """Queue one rank request; the future resolves when its micro-batch has run. With
+        ``partition`` (the user's Kafka partition) it fails with PartitionUnavailable
+        unless that partition is serving when the micro-batch runs: checked on this
+        thread, in order with restores and drops, so a rank call never sees a partition
+        half restored or already dropped."""
         fut: Future[RankResult] = Future()
-        self._put(("rank", query, fut))
+        self._put(("rank", query, fut, partition))
         return fut
 
     def read(self, fn: Callable[[], R]) -> Future[R]:
@@ -174,12 +187,21 @@ class EngineLoop:
         self._put(("read", fn, fut))
         return fut
 
-    def inspect(self, user_id: str, timeout: float | None = 30.0) -> UserInfo | None:
-        """InspectUser's answer (None: unknown user, or no engine)."""
+    def inspect(
+        self, user_id: str, timeout: float | None = 30.0, partition: int | None = None
+    ) -> UserInfo | None:
+        """InspectUser's answer (None: unknown user, or no engine); ``partition`` as in
+        ``submit``."""
         engine = self.engine
         if engine is None:
             return None
-        return self.read(lambda: engine.inspect(user_id)).result(timeout)
+
+        def read() -> UserInfo | None:
+            if partition is not None and partition not in engine.serving:
+                raise PartitionUnavailable(partition)
+            return engine.inspect(user_id)
+
+        return self.read(read).result(timeout)
 
     def submit_apply(self, events: Sequence[ValidEvent]) -> Future[ApplyCounts]:
         """Queue one ingest batch (in order with the other ingest work). Blocks while
@@ -311,7 +333,7 @@ class EngineLoop:
     def _sort(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == "rank":
-            self._ranks.append((item[1], item[2]))
+            self._ranks.append((item[1], item[2], item[3]))
         elif kind == "read":
             self._reads.append((item[1], item[2]))
         elif kind in ("apply", "task"):
@@ -368,7 +390,15 @@ class EngineLoop:
                 break
         self.counts.collect_seconds += time.perf_counter() - opened
         self._last_size = len(batch)
-        live = [(q, fut) for q, fut in batch if fut.set_running_or_notify_cancel()]
+        live = []
+        serving = self.engine.serving if self.engine is not None else None
+        for q, fut, partition in batch:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            if partition is not None and serving is not None and partition not in serving:
+                fut.set_exception(PartitionUnavailable(partition))
+                continue
+            live.append((q, fut))
         if live:
             began = time.perf_counter()
             try:
@@ -535,7 +565,7 @@ class EngineLoop:
         with self._lock:
             self._accepting = False
         self._take(block=False)
-        for _, fut in self._ranks:
+        for _, fut, _ in self._ranks:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(err)
         self._ranks.clear()

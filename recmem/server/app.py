@@ -19,7 +19,7 @@ from recmem.engine import EngineLoop
 from recmem.server.auth import BearerTokenInterceptor, server_credentials
 from recmem.server.guards import CallArrivals, DecodeGuard
 from recmem.server.metrics import RankMetrics
-from recmem.server.servicer import RecMemServicer
+from recmem.server.servicer import RecMemServicer, Router
 from recmem.server.validation import Limits
 from recmem.vocab import ItemVocab
 from streams.validate import Limits as EventLimits
@@ -41,6 +41,18 @@ def limits_from_config(cfg: Config) -> Limits:
         default_replay_notes=cfg.archive.replay_notes,
         events=EventLimits.from_config(cfg.kafka),
     )
+
+
+def advertised_address(configured: str, host: str, port: int) -> str:
+    """``server.advertised_address``, else ``host:port`` with a wildcard host replaced by
+    this machine's host name (what other machines can resolve)."""
+    import socket
+
+    if configured:
+        return configured
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return f"{host}:{port}"
 
 
 def settle_heap() -> float:
@@ -70,6 +82,7 @@ class RankServer:
         vocab: ItemVocab,
         model_version: str,
         metrics: RankMetrics | None = None,
+        router: Router | None = None,
     ) -> None:
         if vocab.n_items != loop.ranker.n_items:
             raise ValueError(
@@ -98,6 +111,7 @@ class RankServer:
             model_version,
             timeout_s=s.request_timeout_s,
             metrics=self.metrics,
+            router=router,
         )
         rank_pb2_grpc.add_RecMemServicer_to_server(servicer, self.server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()
@@ -116,6 +130,8 @@ class RankServer:
         if self.port == 0:
             raise ValueError(f"cannot listen on {address}")
         self.tls = bool(s.tls_cert)
+        self.address = advertised_address(s.advertised_address, s.host, self.port)
+        """Where the other instances and clients reach this one."""
 
     def start(self, ready: bool = True) -> RankServer:
         """Start listening. ``ready=False`` reports NOT_SERVING until ``mark_ready()`` (the

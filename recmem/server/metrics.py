@@ -37,6 +37,14 @@ class RankMetrics:
             ["method"],
             registry=r,
         )
+        self.routes = Counter(
+            f"{prefix}_routes",
+            "Rank and InspectUser calls by where they went: local (owned here), forwarded "
+            "(to the owner), redirected (FAILED_PRECONDITION naming the owner), unavailable "
+            "(no owner now, or no assignment yet)",
+            ["route"],
+            registry=r,
+        )
         self.replay_cache_hits = Counter(
             f"{prefix}_replay_cache_hits",
             "Replay rank calls answered from the replay cache (server.replay_cache_users)",

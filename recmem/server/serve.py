@@ -18,8 +18,12 @@ from typing import Any
 from recmem.config import Config
 from recmem.engine.builder import BuiltEngine, build_engine
 from recmem.ingest import KafkaIngest, register_gauges
+from recmem.routing import OwnerMap
 from recmem.server.app import RankServer
 from recmem.server.metrics import RankMetrics
+from recmem.server.routing import Forwarder
+from recmem.server.servicer import Router
+from streams.group import Member
 from streams.metrics import IngestMetrics
 
 log = logging.getLogger(__name__)
@@ -41,13 +45,24 @@ class RecMemService:
         self.built: BuiltEngine = build_engine(cfg, device=device, init_model=init_model)
         # one registry, one endpoint (server.metrics_port) for the rank and ingest figures
         self.metrics = IngestMetrics(prefix="recmem_ingest")
+        # with ingest on, calls go where their user's partition is owned (docs/scaling.md)
+        self.owners = OwnerMap(me="") if ingest else None
+        router = Router(self.owners, None, cfg.server.retry_hint_ms) if self.owners else None
         self.server = RankServer(
             cfg,
             self.built.loop,
             self.built.vocab,
             self.built.model_version,
             RankMetrics(self.metrics.registry),
+            router=router,
         )
+        self.forwarder: Forwarder | None = None
+        if self.owners is not None and router is not None:
+            self.owners.me = self.server.address
+            if cfg.server.routing == "forward":
+                s = cfg.server
+                self.forwarder = Forwarder(self.server.address, s.tls_cert, s.auth_token)
+                router.forwarder = self.forwarder
         register_gauges(self.metrics, self.built.engine)
         self.consumer: Any = None
         self.ingest: KafkaIngest | None = None
@@ -57,18 +72,30 @@ class RecMemService:
         if ingest:
             from streams.consumer import EventConsumer
 
+            assert self.owners is not None
             self.ingest = KafkaIngest(
-                self.built.loop, self.built.checkpoints(), cfg, on_ready=self.server.mark_ready
+                self.built.loop,
+                self.built.checkpoints(),
+                cfg,
+                on_ready=self.server.mark_ready,
+                owner=self.server.address,
+                on_view=self.owners.update,
             )
-            kafka = dataclasses.replace(cfg.kafka, metrics_port=0)  # served below instead
-            self.consumer = EventConsumer(kafka, self.ingest, metrics=self.metrics)
+            kafka = dataclasses.replace(
+                cfg.kafka,
+                group_id=self.built.group_id,
+                metrics_port=0,  # served below instead
+            )
+            member = Member(address=self.server.address, tag=self.built.model_version)
+            self.consumer = EventConsumer(kafka, self.ingest, metrics=self.metrics, member=member)
 
     @property
     def port(self) -> int:
         return self.server.port
 
     def start(self) -> RecMemService:
-        # with ingest on, health says SERVING only once the first partitions are restored
+        # with ingest on, health says SERVING only once the first partitions are restored (or
+        # the group gave this instance none: it answers by forwarding)
         self.server.start(ready=self.consumer is None)
         if self.cfg.server.metrics_port > 0:
             s = self.cfg.server
@@ -99,6 +126,8 @@ class RecMemService:
                 self._thread.join()
         if self.ingest is not None:
             self.ingest.close()
+        if self.forwarder is not None:
+            self.forwarder.close()
         self.built.close()
         self.metrics.close()
         self._done.set()
@@ -115,10 +144,11 @@ def run_serve(cfg: Config, *, init_model: bool = False, ingest: bool = True) -> 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
     log.info(
-        "recmem serve: gRPC on %s:%d, ingest %s",
+        "recmem serve: gRPC on %s:%d (advertised %s), ingest %s",
         cfg.server.host,
         service.port,
-        f"from {cfg.kafka.topic}" if ingest else "off",
+        service.server.address,
+        f"from {cfg.kafka.topic} in group {service.built.group_id}" if ingest else "off",
     )
     service.wait()
     service.stop()

@@ -1,21 +1,26 @@
 """The RecMem gRPC servicer: a thin adapter that validates requests, hands them to the engine
 loop (recmem/engine/loop.py: micro-batches, one rank step per batch) and translates results
-back."""
+back. With a router (instances sharing a consumer group) each call goes where its user is
+owned: here, forwarded, or redirected (recmem/server/routing.py)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
-from recmem.engine import LoopStopped, UserInfo
+from recmem.client import GENERATION, OWNER, PARTITION, RETRY_PUSHBACK
+from recmem.engine import LoopStopped, PartitionUnavailable, UserInfo
 from recmem.ranking import RankQuery, RankResult
+from recmem.routing import OwnerMap
 from recmem.server.metrics import RankMetrics
+from recmem.server.routing import FORWARDED, Forwarder, RoutingFailure, passthrough
 from recmem.server.validation import InvalidRequest, Limits, to_query
 from recmem.vocab import ItemVocab
 
@@ -25,16 +30,37 @@ log = logging.getLogger(__name__)
 class RankBackend(Protocol):
     """What the servicer hands requests to: the engine loop."""
 
-    def submit(self, query: RankQuery) -> Future[RankResult]: ...
+    def submit(self, query: RankQuery, partition: int | None = None) -> Future[RankResult]: ...
 
-    def inspect(self, user_id: str, timeout: float | None = 30.0) -> UserInfo | None: ...
+    def inspect(
+        self, user_id: str, timeout: float | None = 30.0, partition: int | None = None
+    ) -> UserInfo | None: ...
 
 
-class _Failure(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+_Failure = RoutingFailure
+
+
+class Router:
+    """Where calls go when instances share a group: the owner map, this instance's
+    address, forward or redirect, and the retry hint of UNAVAILABLE answers."""
+
+    def __init__(
+        self,
+        owners: OwnerMap,
+        forwarder: Forwarder | None,
+        retry_ms: int = 250,
+    ) -> None:
+        self.owners = owners
+        self.forwarder = forwarder
+        """None: redirect (``server.routing = redirect``)."""
+        self.retry_ms = retry_ms
+
+    def unavailable(self, message: str, partition: int | None = None) -> RoutingFailure:
+        md: tuple[tuple[str, str], ...] = ((RETRY_PUSHBACK, str(self.retry_ms)),)
+        if partition is not None:
+            md += ((PARTITION, str(partition)),)
+        md += ((GENERATION, str(self.owners.current.generation)),)
+        return RoutingFailure(grpc.StatusCode.UNAVAILABLE, message, md)
 
 
 class RecMemServicer(rank_pb2_grpc.RecMemServicer):
@@ -46,6 +72,7 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         model_version: str,
         timeout_s: float = 30.0,
         metrics: RankMetrics | None = None,
+        router: Router | None = None,
     ) -> None:
         self._backend = backend
         self._vocab = vocab
@@ -53,6 +80,7 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         self._model_version = model_version
         self._timeout_s = timeout_s
         self._metrics = metrics
+        self._router = router
 
     def Rank(
         self, request: rank_pb2.RankRequest, context: grpc.ServicerContext
@@ -60,25 +88,95 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            return self._rank(request, context.time_remaining())
+            return self._routed(  # type: ignore[no-any-return,unused-ignore]
+                "Rank", request, context, lambda p: self._rank(request, context, p)
+            )
         except _Failure as f:
             code = f.code
-            context.abort(f.code, f.message)
+            self._abort(context, f)
             raise  # abort raises; this line only informs the type checker
         finally:
             if self._metrics is not None:
                 self._metrics.requests.labels(code=code.name).inc()
                 self._metrics.latency.observe(time.perf_counter() - start)
 
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, f: RoutingFailure) -> None:
+        if f.metadata:
+            context.set_trailing_metadata(f.metadata)
+        context.abort(f.code, f.message)
+
+    def _route_count(self, route: str) -> None:
+        if self._metrics is not None:
+            self._metrics.routes.labels(route=route).inc()
+
+    def _routed(
+        self,
+        method: str,
+        request: Any,
+        context: grpc.ServicerContext,
+        local: Callable[[int | None], Any],
+    ) -> Any:
+        """``local(partition)`` where the user is owned here (partition None: no router);
+        else forward the call to its owner, or redirect, or UNAVAILABLE with a hint."""
+        router = self._router
+        if router is None:
+            return local(None)
+        user_id = getattr(request, "user_id", "")
+        if not user_id:
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, "user_id is empty")
+        route = router.owners.route(user_id)
+        if route.partition is None:
+            self._route_count("unavailable")
+            raise router.unavailable("this instance has no partition assignment yet")
+        if route.local:
+            self._route_count("local")
+            return local(route.partition)
+        if route.owner is None:
+            self._route_count("unavailable")
+            raise router.unavailable(
+                f"partition {route.partition} has no owner now (moving between instances)",
+                route.partition,
+            )
+        owner_md = (
+            (OWNER, route.owner),
+            (PARTITION, str(route.partition)),
+            (GENERATION, str(route.generation)),
+        )
+        forwarded = any(k == FORWARDED for k, _ in (context.invocation_metadata() or ()))
+        if router.forwarder is None or forwarded:
+            self._route_count("redirected")
+            raise _Failure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"user {user_id!r} (partition {route.partition}) is served by {route.owner}",
+                owner_md,
+            )
+        self._route_count("forwarded")
+        remaining = context.time_remaining()
+        timeout = self._timeout_s if remaining is None else min(remaining, self._timeout_s)
+        try:
+            return router.forwarder.call(method, route.owner, request, max(timeout, 0.0))
+        except grpc.RpcError as e:
+            raise passthrough(e, route.owner, route.partition, router.retry_ms) from None
+
+    def _unavailable(self, message: str, partition: int | None) -> RoutingFailure:
+        if self._router is not None:
+            return self._router.unavailable(message, partition)
+        return _Failure(grpc.StatusCode.UNAVAILABLE, message)
+
     def _rank(
-        self, request: rank_pb2.RankRequest, remaining: float | None
+        self,
+        request: rank_pb2.RankRequest,
+        context: grpc.ServicerContext,
+        partition: int | None,
     ) -> rank_pb2.RankResponse:
+        remaining = context.time_remaining()
         try:
             query = to_query(request, self._vocab, self._limits)
         except InvalidRequest as e:
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
-            fut = self._backend.submit(query)
+            fut = self._backend.submit(query, partition)
         except LoopStopped as e:
             raise _Failure(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         timeout = self._timeout_s if remaining is None else min(remaining, self._timeout_s)
@@ -88,6 +186,10 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             fut.cancel()
             raise _Failure(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "rank did not finish in time"
+            ) from None
+        except PartitionUnavailable as e:
+            raise self._unavailable(
+                f"partition {e.partition} is being restored here; retry shortly", e.partition
             ) from None
         except LoopStopped as e:
             raise _Failure(grpc.StatusCode.UNAVAILABLE, str(e)) from None
@@ -118,9 +220,41 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         if not request.user_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "user_id is empty")
         try:
-            info = self._backend.inspect(request.user_id)
+            return self._routed(  # type: ignore[no-any-return]
+                "InspectUser", request, context, lambda p: self._inspect(request, p)
+            )
+        except _Failure as f:
+            self._abort(context, f)
+            raise
+
+    def Routing(
+        self, request: rank_pb2.RoutingRequest, context: grpc.ServicerContext
+    ) -> rank_pb2.RoutingResponse:
+        if self._router is None:
+            return rank_pb2.RoutingResponse(generation=-1, model_version=self._model_version)
+        own = self._router.owners.current
+        return rank_pb2.RoutingResponse(
+            generation=own.generation,
+            partitions=own.partitions,
+            owners=[
+                rank_pb2.PartitionOwner(partition=p, address=a)
+                for p, a in sorted(own.owners.items())
+            ],
+            address=self._router.owners.me,
+            model_version=self._model_version,
+        )
+
+    def _inspect(
+        self, request: rank_pb2.InspectUserRequest, partition: int | None
+    ) -> rank_pb2.InspectUserResponse:
+        try:
+            info = self._backend.inspect(request.user_id, partition=partition)
+        except PartitionUnavailable as e:
+            raise self._unavailable(
+                f"partition {e.partition} is being restored here; retry shortly", e.partition
+            ) from None
         except LoopStopped as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         if info is None:
             return rank_pb2.InspectUserResponse(
                 user_id=request.user_id,

@@ -126,6 +126,69 @@ def test_settings_mismatch_names_the_setting_and_bad_inputs(tmp_path):
     assert len(manifest["checkpoints"]) == 1
 
 
+def test_a_setting_an_older_checkpoint_lacks_compares_as_its_default(tmp_path):
+    """A setting added after a checkpoint was written is not in its meta.json: the checkpoint
+    restores under the setting's default, and is refused under any other value."""
+    from recmem.config import Config
+
+    ours = data_settings(Config())
+    new = "model.window"  # stands for a setting the writer did not know yet
+    older = {n: v for n, v in ours.items() if n != new}
+    changed = Config()
+    changed.model.window = Config().model.window * 2 + 1
+    store = CheckpointStore(tmp_path, LAYOUT)
+    users = ["a", "b"]
+    gen = torch.Generator().manual_seed(0)
+    full = store.write(0, users, random_state(LAYOUT, 2, gen), 5, model_version="m", settings=older)
+    # another value than the default is refused, and the message says what the default is
+    with pytest.raises(
+        IncompatibleCheckpoint,
+        match=rf"{new}: checkpoint <unset: default {Config().model.window}>, "
+        rf"this service {changed.model.window}",
+    ):
+        store.restore(0, settings=data_settings(changed))
+    ckpt = store.restore(0, settings=ours, model_version="m")
+    assert ckpt is not None and ckpt.next_offset == 5
+    # this service goes on with deltas on top of the older checkpoint: the chain holds
+    st = random_state(LAYOUT, 1, gen)
+    store.write(0, ["a"], st, 7, model_version="m", settings=ours, parent=full.name)
+    ckpt = store.restore(0, settings=ours, model_version="m")
+    assert ckpt is not None and ckpt.next_offset == 7 and len(ckpt.chain) == 2
+    assert_state_equal(ckpt.state.index(torch.tensor([0])), st)
+    # a setting the checkpoint records and this service no longer has: refused
+    gone = CheckpointStore(tmp_path / "gone", LAYOUT)
+    retired = dict(ours, **{"model.retired": 3})
+    gone.write(0, users, random_state(LAYOUT, 2, gen), 1, model_version="m", settings=retired)
+    with pytest.raises(
+        IncompatibleCheckpoint, match="model.retired: checkpoint 3, this service <unset>"
+    ):
+        gone.restore(0, settings=ours)
+
+
+def test_unlock_schedule_fields_round_trip_through_a_delta_chain(tmp_path):
+    """The adaptive unlock schedules' and the keyed block order's own state fields (unlock
+    counts, signal sums, order key) move with the partition like S and M."""
+    layout = StateLayout(2, 2, 4, 3, True, 5, adaptive=True, keyed_order=True)
+    store = CheckpointStore(tmp_path, layout)
+    gen = torch.Generator().manual_seed(5)
+
+    def state(n):
+        st = random_state(layout, n, gen)
+        st.unlocks.copy_(torch.randint(0, 4, st.unlocks.shape, generator=gen))
+        st.unlock_acc.copy_(torch.rand(st.unlock_acc.shape, generator=gen))
+        st.order_key.copy_(torch.randint(0, 2**40, st.order_key.shape, generator=gen))
+        return st
+
+    first, later = state(3), state(1)
+    full = store.write(0, ["a", "b", "c"], first, 3, model_version="m", settings=SET)
+    store.write(0, ["b"], later, 4, model_version="m", settings=SET, parent=full.name)
+    ckpt = store.restore(0, settings=SET)
+    assert ckpt is not None and ckpt.user_ids == ["a", "b", "c"]
+    want = first.put_rows(torch.tensor([1]), later)
+    for name in ("unlocks", "unlock_acc", "order_key", "S", "pos"):
+        assert torch.equal(getattr(ckpt.state, name), getattr(want, name)), name
+
+
 def test_delta_chain_merges_and_keeps_what_it_needs(tmp_path):
     store = CheckpointStore(tmp_path, LAYOUT, keep=2)
     gen = torch.Generator().manual_seed(3)
@@ -188,8 +251,146 @@ def test_data_settings_cover_what_shapes_stored_data():
         "archive.address_dim",
         "train.seed",
         "recent_events",
+        "memory.unlock",
+        "memory.block_order",
+        "model.route_dim",
     ):
         assert dotted in base, dotted
     # how this machine computes the rule, or what a request asks for, does not count
-    for dotted in ("memory.backend", "archive.replay_notes", "model.dropout"):
+    for dotted in (
+        "memory.backend",
+        "archive.replay_notes",
+        "archive.routing",
+        "archive.route_candidates",
+        "model.dropout",
+    ):
         assert dotted not in base, dotted
+
+
+# ---- object store and fencing ----------------------------------------------------------
+
+
+@pytest.fixture(params=["dir", "s3"])
+def location(request, tmp_path):
+    """A fresh checkpoint root: a directory, or a bucket of the S3 emulator."""
+    if request.param == "dir":
+        return str(tmp_path / "ckpt")
+    server = request.getfixturevalue("s3_server")
+    return server.bucket()
+
+
+def open_store(location, s3_server=None, **kw):
+    from recmem.blobstore import S3Settings
+
+    s3 = S3Settings(endpoint_url=s3_server.endpoint) if s3_server is not None else None
+    return CheckpointStore(location, LAYOUT, s3=s3, **kw)
+
+
+def store_for(request, location, **kw):
+    server = request.getfixturevalue("s3_server") if location.startswith("s3://") else None
+    return open_store(location, server, **kw)
+
+
+def test_round_trip_deltas_and_corruption_in_either_store(request, location):
+    store = store_for(request, location, keep=2)
+    users, st = write(store, 4, 5, offset=7, seed=0, notes={"n": np.arange(3)})
+    full = store.restore(4, settings=SET).path.name
+    st2 = random_state(LAYOUT, 1, torch.Generator().manual_seed(1))
+    delta = store.write(4, users[:1], st2, 9, model_version="m1", settings=SET, parent=full)
+    ckpt = store.restore(4, settings=SET)
+    assert ckpt.chain == [full, delta.name] and ckpt.next_offset == 9
+    assert_state_equal(ckpt.state.index(slice(0, 1)), st2)
+    assert_state_equal(ckpt.state.index(slice(1, 5)), st.index(slice(1, 5)))
+    assert ckpt.bytes_read > 0
+    assert store.partitions() == [4] and store.latest_offset(4) == 9
+    # a corrupted delta falls back to its full parent
+    key = f"p-00004/{delta.name}/state.S.bin"
+    blob = bytearray(store.blobs.get(key))
+    blob[3] ^= 0xFF
+    store.blobs.put(key, bytes(blob))
+    assert store.restore(4, settings=SET).chain == [full]
+    # a model version other than the service's is refused, never silently continued
+    with pytest.raises(IncompatibleCheckpoint, match="recmem-\\{model_version\\}"):
+        store.restore(4, settings=SET, model_version="m2")
+
+
+def test_a_claim_fences_older_generations_at_write_time(request, location):
+    from recmem.checkpoint import Fenced
+
+    store = store_for(request, location)
+    users, st = write_gen(store, 0, offset=10, generation=3)
+    store.claim(0, generation=5, owner="b:1")
+    before = store.blobs.children("p-00000")
+    with pytest.raises(Fenced, match="generation 5"):
+        write_gen(store, 0, offset=20, generation=3)
+    assert store.blobs.children("p-00000") == before, "a refused write left files behind"
+    ckpt = store.restore(0, settings=SET)
+    assert ckpt.next_offset == 10 and ckpt.generation == 3
+    write_gen(store, 0, offset=30, generation=5)
+    assert store.restore(0, settings=SET).next_offset == 30
+    with pytest.raises(Fenced):
+        store.claim(0, generation=4)
+    assert store.claim(0, generation=5).generation == 5  # the owner's own claim again
+    # another store object (another process) sees the same fence
+    assert store_for(request, location).fence(0).generation == 5
+
+
+class RacingStore(CheckpointStore):
+    """A writer that read the fence just before another member's claim landed (the window
+    between the check and the manifest replace): ``claim_in_between`` runs the claim there."""
+
+    def __init__(self, *args, claim_in_between, **kw):
+        super().__init__(*args, **kw)
+        self.claim_in_between = claim_in_between
+
+    def fence(self, partition, manifest=None):
+        seen = super().fence(partition, manifest)
+        if self.claim_in_between is not None:
+            run, self.claim_in_between = self.claim_in_between, None
+            run()
+        return seen
+
+
+def test_a_stale_write_in_the_race_window_is_refused_by_the_conditional_replace(s3_server):
+    from recmem.blobstore import S3Settings
+    from recmem.checkpoint import Fenced
+
+    location = s3_server.bucket()
+    owner_b = open_store(location, s3_server)
+    write_gen(owner_b, 0, offset=10, generation=3)
+    stale = RacingStore(
+        location, LAYOUT, s3=S3Settings(endpoint_url=s3_server.endpoint),
+        claim_in_between=lambda: owner_b.claim(0, generation=5),
+    )  # fmt: skip
+    with pytest.raises(Fenced):
+        write_gen(stale, 0, offset=20, generation=3)
+    assert owner_b.restore(0, settings=SET).next_offset == 10
+
+
+def test_without_conditional_writes_a_restore_ignores_what_a_stale_owner_slipped_in(tmp_path):
+    """A store that cannot write conditionally lets a stale owner's write through in the
+    race window (it even rolls the manifest's fence back); the claim's fence object still
+    tells a restore to ignore it."""
+    location = str(tmp_path / "ckpt")
+    plain = open_store(location, conditional=False)
+    write_gen(plain, 0, offset=10, generation=3)
+    stale = RacingStore(
+        location, LAYOUT, conditional=False,
+        claim_in_between=lambda: open_store(location, conditional=False).claim(0, 5, "b:1"),
+    )  # fmt: skip
+    write_gen(stale, 0, offset=20, generation=3)
+    assert plain.latest_offset(0) == 10
+    ckpt = plain.restore(0, settings=SET)
+    assert ckpt.next_offset == 10 and ckpt.generation == 3
+    # the new owner's own checkpoints are restore points again
+    write_gen(plain, 0, offset=30, generation=5)
+    assert plain.restore(0, settings=SET).next_offset == 30
+
+
+def write_gen(store, partition, offset, generation):
+    users = [f"u{partition}-{i}" for i in range(3)]
+    st = random_state(LAYOUT, 3, torch.Generator().manual_seed(offset))
+    store.write(
+        partition, users, st, offset, model_version="m1", settings=SET, generation=generation
+    )
+    return users, st

@@ -17,7 +17,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> RankEnv:
     return make_env(tmp_path_factory.mktemp("spill"), n_users=1)
 
 
-def test_healthy_not_ready_and_unwritable(env: RankEnv, tmp_path: Path) -> None:
+def test_healthy_not_ready_and_unwritable(env: RankEnv, tmp_path: Path, request) -> None:
     cfg = env.cfg
     cfg.checkpoint.dir = str(tmp_path / "checkpoints")
     srv = loop_server(env, cfg).start(ready=False)
@@ -31,7 +31,16 @@ def test_healthy_not_ready_and_unwritable(env: RankEnv, tmp_path: Path) -> None:
         cfg.checkpoint.dir = str(tmp_path / "blocked")
         (unwritable,) = healthcheck.problems(cfg)
         assert "checkpoint.dir" in unwritable
+        # an object store: healthy when a bucket takes an object, not when it is missing
+        s3 = request.getfixturevalue("s3_server")
+        cfg.checkpoint.dir = s3.bucket()
+        cfg.checkpoint.s3_endpoint_url = s3.endpoint
+        assert healthcheck.problems(cfg) == []
+        cfg.checkpoint.dir = "s3://no-such-bucket-here/ckpt"
+        (missing,) = healthcheck.problems(cfg)
+        assert "does not take an object" in missing
     finally:
+        cfg.checkpoint.s3_endpoint_url = ""
         srv.stop(grace=0.5)
         cfg.server.port, cfg.server.host = 0, "127.0.0.1"
 

@@ -19,7 +19,7 @@ import torch
 from kafka import KafkaProducer
 
 from models.recommender import MemoryRecommender
-from recmem.checkpoint import CheckpointStore
+from recmem.checkpoint import CheckpointStore, checkpoint_root
 from recmem.config import Config
 from recmem.engine import Engine, EngineLoop
 from recmem.engine.builder import BuiltEngine, build_engine
@@ -109,8 +109,11 @@ def send_with_bad(
 
 
 def checkpoints_of(cfg: Config) -> CheckpointStore:
+    """The store the service of ``cfg`` writes (a model made by ``service_config`` has no
+    version, so the group id needs none resolved)."""
     layout = StateLayout.from_config(cfg.memory, cfg.model)
-    return CheckpointStore(Path(cfg.checkpoint.dir) / cfg.kafka.topic, layout)
+    root = checkpoint_root(cfg.checkpoint.dir, cfg.kafka.topic, cfg.kafka.group_id)
+    return CheckpointStore(root, layout)
 
 
 def wait_until(pred, timeout_s: float, what: str) -> None:
@@ -223,7 +226,7 @@ def test_service_writes_deltas_and_restores_them_bit_exact(tmp_path):
         return KafkaIngest(loop, CheckpointStore(tmp_path / "ckpt", layout), cfg)
 
     a = service("a")
-    assert {p: r.next_offset for p, r in a.on_assigned([0, 1]).items()} == {0: 0, 1: 0}
+    assert {p: r.next_offset for p, r in a.restore_now([0, 1]).items()} == {0: 0, 1: 0}
     kinds = []
     for k in range(0, 400, 20):
         batch = events[k : k + 20]
@@ -234,7 +237,7 @@ def test_service_writes_deltas_and_restores_them_bit_exact(tmp_path):
     assert kinds[0] == "full" and "delta" in kinds
     assert "delta" * 3 not in "".join(kinds)  # full_every=3: at most 2 deltas in a row
     b = service("b")
-    assert {p: r.next_offset for p, r in b.on_assigned([0, 1]).items()} == {0: 400, 1: 400}
+    assert {p: r.next_offset for p, r in b.restore_now([0, 1]).items()} == {0: 400, 1: 400}
     ea, eb = a.engine, b.engine
     a.loop.stop()
     b.loop.stop()
@@ -360,7 +363,7 @@ def test_crash_kill9_restart_equals_clean_pass(tmp_path, kafka_config):
             kills += 1
         producer.join(timeout=60)
         assert not producer.is_alive()
-        assigned_before = log_path.read_text().count("assigned; resuming")
+        assigned_before = log_path.read_text().count("; resuming from")
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
         try:
             # judge progress only once this process owns its partitions: the killed runs
@@ -369,7 +372,7 @@ def test_crash_kill9_restart_equals_clean_pass(tmp_path, kafka_config):
             wait_until(
                 lambda: (
                     alive(proc, log_path)
-                    and log_path.read_text().count("assigned; resuming") > assigned_before
+                    and log_path.read_text().count("; resuming from") > assigned_before
                     and caught_up(cfg, ends)
                 ),
                 90,

@@ -430,11 +430,22 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
         with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
             stub = rank_pb2_grpc.RecMemStub(ch)
             deadline = time.monotonic() + 60
+            hints = 0
             while time.monotonic() < deadline:
-                infos = [
-                    stub.InspectUser(rank_pb2.InspectUserRequest(user_id=f"kafka-user{u}"))
-                    for u in range(3)
-                ]
+                try:
+                    infos = [
+                        stub.InspectUser(rank_pb2.InspectUserRequest(user_id=f"kafka-user{u}"))
+                        for u in range(3)
+                    ]
+                except grpc.RpcError as e:
+                    # before its partitions are assigned and restored: UNAVAILABLE with a
+                    # retry hint, never a cold "unknown user"
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                    md = dict(e.trailing_metadata())
+                    assert int(md["grpc-retry-pushback-ms"]) > 0
+                    hints += 1
+                    time.sleep(0.2)
+                    continue
                 if all(i.position == 20 for i in infos):
                     break
                 time.sleep(0.2)
@@ -476,7 +487,12 @@ def test_serve_runs_ingest_and_rank_in_one_process(kafka_config, tmp_path: Path)
             stub = rank_pb2_grpc.RecMemStub(ch)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                info = stub.InspectUser(rank_pb2.InspectUserRequest(user_id="kafka-user1"))
+                try:
+                    info = stub.InspectUser(rank_pb2.InspectUserRequest(user_id="kafka-user1"))
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                    time.sleep(0.2)
+                    continue
                 if info.position == 20:
                     break
                 time.sleep(0.2)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kafka import KafkaAdminClient
 
-from recmem.checkpoint import IncompatibleCheckpoint
+from recmem.checkpoint import IncompatibleCheckpoint, checkpoint_root
 from recmem.config import Config
 from streams.admin import client_settings, ensure_topics
 from streams.positions import PositionError
@@ -94,7 +94,8 @@ def test_an_offset_past_the_end_is_refused(tmp_path: Path, kafka_config) -> None
     cfg = service_config(tmp_path, kafka_config(partitions=1))
     ends = send_with_bad(cfg, make_events(40, 4, seed=3), seed=3, n_bad=0)
     run_until_caught_up(cfg, ends)
-    pdir = Path(cfg.checkpoint.dir) / cfg.kafka.topic / "p-00000"
+    pdir = Path(checkpoint_root(cfg.checkpoint.dir, cfg.kafka.topic, cfg.kafka.group_id))
+    pdir = pdir / "p-00000"
     newest = json.loads((pdir / "MANIFEST.json").read_text())["checkpoints"][0]
     meta_path = pdir / newest / "meta.json"
     meta = json.loads(meta_path.read_text())

@@ -52,3 +52,51 @@ class RecordingSink:
     def snapshot(self) -> list[ValidEvent]:
         with self.lock:
             return list(self.events)
+
+
+class RestoringSink(RecordingSink):
+    """Restores each assigned partition in the background: ``on_assigned`` answers
+    RESTORING, a timer marks the partition restored ``delay_s`` later and ``restored()``
+    hands out its resume point. Keeps every group view it is shown."""
+
+    def __init__(self, store: dict[int, int] | None = None, delay_s: float = 0.5) -> None:
+        super().__init__(store)
+        self.delay_s = delay_s
+        self.views: list[object] = []
+        self.ready: dict[int, int] = {}
+        self.restored_at: dict[int, float] = {}
+        self.batch_partitions: list[tuple[float, set[int]]] = []
+
+    def on_group(self, view: object) -> None:
+        self.views.append(view)
+
+    def on_assigned(self, partitions: list[int]):  # type: ignore[override]
+        from streams.sink import RESTORING
+
+        self.calls.append(("assigned", list(partitions)))
+
+        def done(p: int) -> None:
+            with self.lock:
+                self.ready[p] = self.store.get(p, 0)
+
+        for p in partitions:
+            t = threading.Timer(self.delay_s, done, args=(p,))
+            t.daemon = True
+            t.start()
+        return dict.fromkeys(partitions, RESTORING)
+
+    def restored(self) -> dict[int, int]:
+        import time
+
+        with self.lock:
+            out, self.ready = self.ready, {}
+        for p, offset in out.items():
+            self.owned[p] = offset
+            self.restored_at[p] = time.monotonic()
+        return out
+
+    def apply_batch(self, events, next_offsets, source=None):  # type: ignore[override]
+        import time
+
+        self.batch_partitions.append((time.monotonic(), set(next_offsets)))
+        super().apply_batch(events, next_offsets, source)

@@ -82,3 +82,29 @@ class InspectUserResponse(_message.Message):
     last_ts_ms: int
     model_version: str
     def __init__(self, user_id: _Optional[str] = ..., known: _Optional[bool] = ..., position: _Optional[int] = ..., unlocked_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., note_count: _Optional[int] = ..., resident_tier: _Optional[str] = ..., last_ts_ms: _Optional[int] = ..., model_version: _Optional[str] = ...) -> None: ...
+
+class RoutingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PartitionOwner(_message.Message):
+    __slots__ = ("partition", "address")
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    partition: int
+    address: str
+    def __init__(self, partition: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RoutingResponse(_message.Message):
+    __slots__ = ("generation", "partitions", "owners", "address", "model_version")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    partitions: int
+    owners: _containers.RepeatedCompositeFieldContainer[PartitionOwner]
+    address: str
+    model_version: str
+    def __init__(self, generation: _Optional[int] = ..., partitions: _Optional[int] = ..., owners: _Optional[_Iterable[_Union[PartitionOwner, _Mapping]]] = ..., address: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...

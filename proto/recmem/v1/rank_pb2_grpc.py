@@ -44,6 +44,11 @@ class RecMemStub:
                 request_serializer=proto_dot_recmem_dot_v1_dot_rank__pb2.InspectUserRequest.SerializeToString,
                 response_deserializer=proto_dot_recmem_dot_v1_dot_rank__pb2.InspectUserResponse.FromString,
                 _registered_method=True)
+        self.Routing = channel.unary_unary(
+                '/recmem.v1.RecMem/Routing',
+                request_serializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingRequest.SerializeToString,
+                response_deserializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingResponse.FromString,
+                _registered_method=True)
 
 
 class RecMemServicer:
@@ -51,7 +56,12 @@ class RecMemServicer:
 
     def Rank(self, request, context):
         """Top-k items for one user. Concurrent calls are micro-batched into one engine step.
-        Malformed requests fail with INVALID_ARGUMENT; an unknown user gets a cold-start answer.
+        Malformed requests fail with INVALID_ARGUMENT; a user the service has never seen gets a
+        cold-start answer. When instances share the work (a consumer group), a user owned by
+        another instance is forwarded there (one hop) or answered FAILED_PRECONDITION with the
+        owner in the trailing metadata (recmem-owner: host:port); a user whose partition is
+        being restored or moved, or whose owner does not answer, gets UNAVAILABLE with a retry
+        hint (grpc-retry-pushback-ms). docs/scaling.md.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -59,6 +69,14 @@ class RecMemServicer:
 
     def InspectUser(self, request, context):
         """The live state of one user: position, Proteus blocks, notes, where the state resides.
+        Routed like Rank.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Routing(self, request, context):
+        """Which instance owns which partition now (what recmem.client.RankClient routes with).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -76,6 +94,11 @@ def add_RecMemServicer_to_server(servicer, server):
                     servicer.InspectUser,
                     request_deserializer=proto_dot_recmem_dot_v1_dot_rank__pb2.InspectUserRequest.FromString,
                     response_serializer=proto_dot_recmem_dot_v1_dot_rank__pb2.InspectUserResponse.SerializeToString,
+            ),
+            'Routing': grpc.unary_unary_rpc_method_handler(
+                    servicer.Routing,
+                    request_deserializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingRequest.FromString,
+                    response_serializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +155,33 @@ class RecMem:
             '/recmem.v1.RecMem/InspectUser',
             proto_dot_recmem_dot_v1_dot_rank__pb2.InspectUserRequest.SerializeToString,
             proto_dot_recmem_dot_v1_dot_rank__pb2.InspectUserResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Routing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recmem.v1.RecMem/Routing',
+            proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingRequest.SerializeToString,
+            proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,140 @@
+"""The Kafka adapter's partition lifecycle, driven directly (no broker): restores run on a
+restore thread and reach the engine in slices while rank calls go on; a partition's users
+get PartitionUnavailable (never a cold start) until it is complete; claims and writes carry
+the group generation, and a newer generation's claim fences this member."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from recmem.checkpoint import CheckpointStore, Fenced
+from recmem.engine import PartitionUnavailable
+from recmem.ingest import KafkaIngest
+from recmem.ranking import RankQuery
+from recmem.state_store import StateLayout
+from streams.group import GroupView
+from streams.sink import RESTORING
+from tests.recmem.test_engine import make_engine, random_events, small_config
+from tests.recmem.test_ingest import loop_over
+
+
+class HeldStore(CheckpointStore):
+    """A checkpoint store whose restores wait for ``release`` (a slow object store)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.threads: list[str] = []
+
+    def restore(self, partition, **kw):
+        self.threads.append(threading.current_thread().name)
+        self.entered.set()
+        assert self.release.wait(30)
+        return super().restore(partition, **kw)
+
+
+def service(tmp_path, sub, store, generation=1):
+    cfg = small_config()
+    cfg.checkpoint.interval_s = 0.0
+    loop = loop_over(make_engine(tmp_path / sub, cfg=cfg))
+    ingest = KafkaIngest(loop, store, cfg, owner=f"{sub}:1")
+    ingest.on_group(GroupView(generation=generation, partitions=2))
+    return ingest
+
+
+def layout():
+    cfg = small_config()
+    return StateLayout.from_config(cfg.memory, cfg.model)
+
+
+def rank(ingest, user, partition):
+    return ingest.loop.submit(RankQuery(user, k=3), partition=partition).result(timeout=10)
+
+
+def test_restore_runs_off_the_consumer_thread_and_gates_rank_calls(tmp_path):
+    events = random_events(300, 20, seed=1, n_partitions=2)
+    a = service(tmp_path, "a", CheckpointStore(tmp_path / "ckpt", layout()))
+    a.restore_now([0, 1])
+    a.apply_batch(events, {0: 300, 1: 300})
+    a.checkpoint()
+    a.flush()
+    positions = {u: int(a.engine.snapshot([u]).pos[0]) for u in a.engine.partition_of}
+    a.loop.stop()
+
+    held = HeldStore(tmp_path / "ckpt", layout())
+    b = service(tmp_path, "b", held, generation=2)
+    try:
+        began = time.monotonic()
+        assert b.on_assigned([0, 1]) == {0: RESTORING, 1: RESTORING}
+        assert time.monotonic() - began < 0.5, "on_assigned waited for the restore"
+        assert held.entered.wait(10)
+        assert all(name.startswith("checkpoint-restore") for name in held.threads)
+        user0 = next(u for u, p in a.engine.partition_of.items() if p == 0)
+        with pytest.raises(PartitionUnavailable):
+            rank(b, user0, 0)
+        with pytest.raises(PartitionUnavailable):
+            b.loop.inspect(user0, partition=0)
+        # a user of no partition (partition None: not routed) is still answered
+        assert rank(b, "nobody", None).cold_start
+        assert b.restored() == {}
+        held.release.set()
+        deadline = time.monotonic() + 30
+        got: dict = {}
+        while len(got) < 2 and time.monotonic() < deadline:
+            got.update(b.restored())
+            time.sleep(0.01)
+        assert {p: r.next_offset for p, r in got.items()} == {0: 300, 1: 300}
+        for user, pos in positions.items():
+            res = rank(b, user, a.engine.partition_of[user])
+            assert res.position == pos and not res.cold_start
+        assert not rank(b, "never-seen", 0).position and rank(b, "never-seen", 0).cold_start
+        assert b.totals.restores == 2 and b.totals.restore_bytes > 0
+        # the claims carry b's generation: a (generation 1) may no longer write
+        assert b.checkpoints.fence(0).generation == 2
+        assert b.checkpoints.fence(0).owner == "b:1"
+    finally:
+        held.release.set()
+        b.close()
+        b.loop.stop()
+
+
+def test_a_newer_generation_fences_this_member(tmp_path):
+    events = random_events(200, 16, seed=2, n_partitions=2)
+    store = CheckpointStore(tmp_path / "ckpt", layout())
+    a = service(tmp_path, "a", store, generation=3)
+    try:
+        a.restore_now([0, 1])
+        a.apply_batch(events[:100], {0: 100, 1: 100})
+        a.checkpoint()
+        assert a.flush() == {0: 100, 1: 100}
+        # another member got partition 1 at generation 4 (this one was paused meanwhile)
+        CheckpointStore(tmp_path / "ckpt", layout()).claim(1, 4, "b:1")
+        a.apply_batch(events[100:], {0: 200, 1: 200})
+        a.checkpoint()
+        a.flush()
+        assert a.totals.fenced == 1
+        assert store.latest_offset(1) == 100, "the stale write became a restore point"
+        # the next sink call drops partition 1 here; its events are no longer applied
+        assert a.checkpoint() == {0: 200}
+        assert a.assigned == {0} and 1 not in a.engine.serving
+        before = a.engine.totals.events
+        a.apply_batch([e for e in events[:50] if e.partition == 1], {1: 250})
+        a.drain()
+        assert a.engine.totals.events == before
+        # a restore of a partition claimed by a newer generation is refused, not applied
+        a.on_group(GroupView(generation=3, partitions=2))
+        a.on_assigned([1])
+        deadline = time.monotonic() + 10
+        while a.restoring and time.monotonic() < deadline:
+            assert a.restored() == {}
+            time.sleep(0.01)
+        assert a.totals.fenced == 2 and 1 not in a.assigned
+        with pytest.raises(Fenced):
+            store.claim(1, 3)
+    finally:
+        a.close()
+        a.loop.stop()
