@@ -334,11 +334,12 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
 
 def _client_load(
     port: int, workers: list[int], shape: str, replay: int, start_at: float, seconds: float,
-    users: int, n_items: int, seed: int,
+    users: int, n_items: int, seed: int, batch: int = 0,
 ) -> tuple[list[float], list[int]]:  # fmt: skip
     """Closed-loop load from one process: a thread per worker id on one channel, from
     wall-clock ``start_at`` for ``seconds``; returns latencies (s) and the notes replayed by
-    worker 0's first 64 calls."""
+    worker 0's first 64 calls. ``batch`` > 0: each call is a RankBatch of that many
+    requests, and its latency is recorded once per request it answered."""
     import grpc
 
     from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
@@ -370,11 +371,19 @@ def _client_load(
             j = 0
             while time.time() < stop_at:
                 t = time.perf_counter()
-                res = stub.Rank(reqs[j % len(reqs)], timeout=60)
-                latencies[slot].append(time.perf_counter() - t)
+                if batch:
+                    part = [reqs[(j + n) % len(reqs)] for n in range(batch)]
+                    got = stub.RankBatch(rank_pb2.RankBatchRequest(requests=part), timeout=60)
+                    if any(r.code for r in got.results):
+                        raise RuntimeError(f"RankBatch failed: {got.results[0].message}")
+                    latencies[slot] += [time.perf_counter() - t] * batch
+                    res = got.results[0].response
+                else:
+                    res = stub.Rank(reqs[j % len(reqs)], timeout=60)
+                    latencies[slot].append(time.perf_counter() - t)
                 if i == 0 and j < 64:
                     notes.append(res.notes_replayed)
-                j += 1
+                j += max(batch, 1)
 
         threads = [
             threading.Thread(target=worker, args=(slot, i)) for slot, i in enumerate(workers)
@@ -392,7 +401,7 @@ def _client_process(args: tuple[Any, ...], out: Any) -> None:
 
 def run_cell(
     port: int, concurrency: int, shape: str, replay: int, seconds: float, users: int,
-    n_items: int, seed: int, procs: int = 1,
+    n_items: int, seed: int, procs: int = 1, batch: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """One cell: ``concurrency`` closed-loop workers as threads of this process, or spread
     over ``procs`` client processes (independent clients: no shared GIL between them)."""
@@ -402,13 +411,13 @@ def run_cell(
     start_at = time.time() + lead
     if procs == 1:
         lat_s, notes = _client_load(port, groups[0], shape, replay, start_at, seconds, users,
-                                    n_items, seed)  # fmt: skip
+                                    n_items, seed, batch)  # fmt: skip
     else:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         ps = [
             ctx.Process(target=_client_process, daemon=True, args=(
-                (port, g, shape, replay, start_at, seconds, users, n_items, seed), out))
+                (port, g, shape, replay, start_at, seconds, users, n_items, seed, batch), out))
             for g in groups
         ]  # fmt: skip
         for p in ps:
@@ -442,20 +451,24 @@ def _names(text: str, allowed: Sequence[str]) -> tuple[str, ...]:
     return out
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, int, str, int]]:
-    """(system, concurrency, shape, R) per cell, in run order; SASRec gets R = 0 only."""
+def plan(args: argparse.Namespace) -> list[tuple[str, int, str, int, int]]:
+    """(system, concurrency, shape, R, RankBatch size) per cell, in run order; SASRec gets
+    R = 0 only."""
     cells = []
     for system in args.systems:
         for c in args.concurrency:
             for shape in args.shapes:
                 for replay in args.replay if system == "memory" else (0,):
-                    cells.append((system, c, shape, replay))
+                    for batch in args.rank_batch:
+                        cells.append((system, c, shape, replay, batch))
     return cells
 
 
 def table(cells: Sequence[dict[str, Any]]) -> str:
     """Markdown table: one row per memory cell with the SASRec cell of the same shape and c."""
-    sas = {(x["concurrency"], x["shape"]): x for x in cells if x["system"] == "sasrec"}
+    sas = {
+        (x["concurrency"], x["shape"], x["rank_batch"]): x for x in cells if x["system"] == "sasrec"
+    }
     head = (
         "| c | request | memory p50 / p99 ms | memory req/s | batch | SASRec p50 / p99 ms "
         "| SASRec req/s | SASRec/memory p99 | load 1m |\n|---|---|---|---|---|---|---|---|---|"
@@ -465,7 +478,9 @@ def table(cells: Sequence[dict[str, Any]]) -> str:
     for x in mem:
         shape = "100 cand." if x["shape"] == "cand100" else "catalog"
         req = f"{shape}, " + (f"R={x['replay_notes']}" if x["replay_notes"] else "no replay")
-        b = sas.get((x["concurrency"], x["shape"]))
+        if x["rank_batch"]:
+            req += f", RankBatch of {x['rank_batch']}"
+        b = sas.get((x["concurrency"], x["shape"], x["rank_batch"]))
         base = (
             f"{b['p50_ms']:.1f} / {b['p99_ms']:.1f} | {b['throughput_rps']:.0f} | "
             f"{b['p99_ms'] / x['p99_ms']:.2f}"
@@ -537,6 +552,13 @@ def main() -> None:
         help="events/s applied to the memory service's engine while the cells run (0 = none; "
         "with --replay-cache this decides the cache's hit share)",
     )
+    ap.add_argument(
+        "--rank-batch",
+        type=_ints,
+        default=(0,),
+        help="requests per call: 0 = Rank, N > 0 = RankBatch of N (each worker sends N per "
+        "call); a list measures each in the same run, e.g. 0,32",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     ap.add_argument("--json", default="", help="write the result to this file (overrides --out)")
     args = ap.parse_args()
@@ -544,6 +566,8 @@ def main() -> None:
     args.systems = _names(args.systems, ("memory", "sasrec"))
     if any(r < 0 for r in args.replay) or any(c < 1 for c in args.concurrency):
         raise SystemExit("--replay values must be >= 0 and --concurrency values >= 1")
+    if any(b < 0 for b in args.rank_batch):
+        raise SystemExit("--rank-batch values must be >= 0")
     todo = plan(args)
     if not todo:
         raise SystemExit("no cells selected")
@@ -569,12 +593,12 @@ def main() -> None:
                 per_cell = left / len(todo) - 0.5  # warm-up calls and thread start per cell
                 seconds = max(0.5, min(args.seconds, per_cell))
                 print(f"{len(todo)} cells of {seconds:.2f} s (budget {args.budget_s:.0f} s)")
-            for system, c, shape, replay in todo:
+            for system, c, shape, replay, batch in todo:
                 port = info[f"{system}_port"]
                 parent.send(system)
                 before = parent.recv()
                 cell = run_cell(port, c, shape, replay, seconds, args.users, args.items, seed=c,
-                                procs=args.client_procs)  # fmt: skip
+                                procs=args.client_procs, batch=batch)  # fmt: skip
                 parent.send(system)
                 after = parent.recv()
                 n_b = after["batches"] - before["batches"]
@@ -596,10 +620,11 @@ def main() -> None:
                     )
                     cell["events_ingested"] = after["ingested"] - before["ingested"]
                 cell["load_avg_1m"] = os.getloadavg()[0]
-                cell.update(system=system, concurrency=c, shape=shape, replay_notes=replay)
+                cell.update(system=system, concurrency=c, shape=shape, replay_notes=replay,
+                            rank_batch=batch)  # fmt: skip
                 cells.append(cell)
                 print(
-                    f"{system:6s} c={c:2d} {shape:7s} R={replay}: p50 {cell['p50_ms']:6.2f}"
+                    f"{system:6s} c={c:2d} {shape:7s} R={replay} B={batch}: p50 {cell['p50_ms']:6.2f}"
                     f" ms  p99 {cell['p99_ms']:6.2f} ms  {cell['throughput_rps']:7.1f}"
                     f" req/s  batch {cell['mean_batch']:.1f} ({cell['mean_batch_ms']:.1f} ms,"
                     f" busy {cell['worker_busy_share']:.0%}, collect"
@@ -613,10 +638,12 @@ def main() -> None:
             proc.join(30)
             if proc.is_alive():
                 proc.terminate()
-    sas = {(x["concurrency"], x["shape"]): x for x in cells if x["system"] == "sasrec"}
+    sas = {
+        (x["concurrency"], x["shape"], x["rank_batch"]): x for x in cells if x["system"] == "sasrec"
+    }
     ratios = []
     for x in cells:
-        base = sas.get((x["concurrency"], x["shape"]))
+        base = sas.get((x["concurrency"], x["shape"], x["rank_batch"]))
         if x["system"] != "memory" or base is None:
             continue
         ratios.append(
@@ -624,6 +651,7 @@ def main() -> None:
                 "concurrency": x["concurrency"],
                 "shape": x["shape"],
                 "replay_notes": x["replay_notes"],
+                "rank_batch": x["rank_batch"],
                 "sasrec_over_memory_p50": base["p50_ms"] / x["p50_ms"],
                 "sasrec_over_memory_p99": base["p99_ms"] / x["p99_ms"],
                 "memory_over_sasrec_throughput": x["throughput_rps"] / base["throughput_rps"],
@@ -632,7 +660,7 @@ def main() -> None:
     gpu = info["device"].startswith("cuda")
     goal_cells = [
         x for x in cells
-        if x["system"] == "memory"
+        if x["system"] == "memory" and not x["rank_batch"]
         and (x["concurrency"] == 8 if not gpu else (x["shape"] == "cand100" and x["replay_notes"]))
     ]  # fmt: skip
     limit = 10.0 if gpu else 30.0

@@ -141,6 +141,58 @@ class RankClient:
         )
         return self.call("Rank", request, timeout)  # type: ignore[no-any-return]
 
+    def rank_batch(
+        self,
+        requests: Sequence[rank_pb2.RankRequest],
+        timeout: float | None = None,
+        *,
+        per_call: int = 256,
+    ) -> list[rank_pb2.RankBatchResult]:
+        """Many requests at once: one RankBatch call per owning instance (at most
+        ``per_call`` requests each, the server's default ``server.max_batch_requests``), a
+        result per request in order. A request its instance did not own after all (a stale
+        map) or could not serve yet is sent again alone through :meth:`call` (redirects,
+        retries); any other failure stays in its result (``code``, ``message``)."""
+        deadline = time.monotonic() + (self.deadline_s if timeout is None else timeout)
+        self.counts["calls"] += 1
+        if self._partitions <= 0:
+            self.refresh()
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(self._route(r.user_id), []).append(i)
+        results: list[rank_pb2.RankBatchResult | None] = [None] * len(requests)
+        again: list[int] = []
+        for address, idx in groups.items():
+            for lo in range(0, len(idx), per_call):
+                part = idx[lo : lo + per_call]
+                batch = rank_pb2.RankBatchRequest(requests=[requests[i] for i in part])
+                try:
+                    got = self._stubs.get(address).RankBatch(
+                        batch,
+                        timeout=max(deadline - time.monotonic(), 0.001),
+                        metadata=self._metadata,
+                    )
+                except grpc.RpcError as e:
+                    if _code(e) != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    self._mark_down(address)
+                    again += part
+                    continue
+                for i, res in zip(part, got.results):
+                    if res.code in _RESEND:
+                        again.append(i)
+                    else:
+                        results[i] = res
+        for i in sorted(again):
+            try:
+                resp = self.call("Rank", requests[i], max(deadline - time.monotonic(), 0.001))
+                results[i] = rank_pb2.RankBatchResult(code=0, response=resp)
+            except grpc.RpcError as e:
+                results[i] = rank_pb2.RankBatchResult(
+                    code=_code(e).value[0], message=e.details() if hasattr(e, "details") else ""
+                )
+        return [r for r in results if r is not None]
+
     def inspect(self, user_id: str, timeout: float | None = None) -> rank_pb2.InspectUserResponse:
         return self.call(  # type: ignore[no-any-return]
             "InspectUser", rank_pb2.InspectUserRequest(user_id=user_id), timeout
@@ -266,6 +318,12 @@ class RankClient:
             if PARTITION in md and OWNER in md:
                 self._owners[int(md[PARTITION])] = md[OWNER]
                 self._down.pop(md[OWNER], None)
+
+
+_RESEND = (
+    grpc.StatusCode.FAILED_PRECONDITION.value[0],  # owned elsewhere: a stale map
+    grpc.StatusCode.UNAVAILABLE.value[0],  # restoring or moving: retry after the hint
+)
 
 
 def _code(e: grpc.RpcError) -> grpc.StatusCode:

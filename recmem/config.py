@@ -223,6 +223,9 @@ class ServerConfig:
     """Most candidate ids in one request."""
     max_context_events: int = 256
     """Most context events in one request."""
+    max_batch_requests: int = 256
+    """Most requests in one RankBatch call (a larger call fails INVALID_ARGUMENT); each is
+    checked against the limits above like a Rank request."""
     batch_window_ms: float = 4.0
     """Micro-batching window for concurrent requests: the longest a request waits for others."""
     adaptive_window: bool = True

@@ -90,6 +90,7 @@ RANGES: dict[str, str] = {
     "server.max_k": "[1, inf)",
     "server.max_candidates": "[0, inf)",
     "server.max_context_events": "[0, inf)",
+    "server.max_batch_requests": "[1, inf)",
     "server.batch_window_ms": "[0, inf)",
     "server.max_batch": "[1, inf)",
     "server.metrics_port": "[0, 65535]",

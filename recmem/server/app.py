@@ -37,6 +37,7 @@ def limits_from_config(cfg: Config) -> Limits:
         max_k=s.max_k,
         max_candidates=s.max_candidates,
         max_context_events=s.max_context_events,
+        max_batch_requests=s.max_batch_requests,
         max_replay_notes=s.max_replay_notes,
         default_replay_notes=cfg.archive.replay_notes,
         events=EventLimits.from_config(cfg.kafka),

@@ -5,6 +5,7 @@ owned: here, forwarded, or redirected (recmem/server/routing.py)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -164,24 +165,34 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             return self._router.unavailable(message, partition)
         return _Failure(grpc.StatusCode.UNAVAILABLE, message)
 
+    def _deadline(self, context: grpc.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        return max(self._timeout_s if remaining is None else min(remaining, self._timeout_s), 0.0)
+
     def _rank(
         self,
         request: rank_pb2.RankRequest,
         context: grpc.ServicerContext,
         partition: int | None,
     ) -> rank_pb2.RankResponse:
-        remaining = context.time_remaining()
+        timeout = self._deadline(context)
+        return self._finish(self._submit(request, partition), timeout)
+
+    def _submit(self, request: rank_pb2.RankRequest, partition: int | None) -> Future[RankResult]:
+        """Validate one request and hand it to the engine loop."""
         try:
             query = to_query(request, self._vocab, self._limits)
         except InvalidRequest as e:
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
-            fut = self._backend.submit(query, partition)
+            return self._backend.submit(query, partition)
         except LoopStopped as e:
             raise _Failure(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        timeout = self._timeout_s if remaining is None else min(remaining, self._timeout_s)
+
+    def _finish(self, fut: Future[RankResult], timeout: float) -> rank_pb2.RankResponse:
+        """Wait for a submitted request's result and translate it (or its failure)."""
         try:
-            res = fut.result(timeout=max(timeout, 0.0))
+            res = fut.result(timeout=timeout)
         except FutureTimeout:
             fut.cancel()
             raise _Failure(
@@ -213,6 +224,41 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             notes_replayed=res.notes_replayed,
             context_applied=res.context_applied,
         )
+
+    def RankBatch(
+        self, request: rank_pb2.RankBatchRequest, context: grpc.ServicerContext
+    ) -> rank_pb2.RankBatchResponse:
+        """Every request owned here is submitted before any is awaited, so they share engine
+        steps; the others are forwarded (or redirected) one at a time, as Rank would. Each
+        request is counted in the request metrics with its own status."""
+        n, most = len(request.requests), self._limits.max_batch_requests
+        if not 1 <= n <= most:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"RankBatch holds {n} requests; 1 to {most} are accepted (server.max_batch_requests)",
+            )
+        timeout = self._deadline(context)
+        # per request: its engine future, the owner's answer (forwarded) or its failure
+        started: list[Future[RankResult] | rank_pb2.RankResponse | RoutingFailure] = []
+        for r in request.requests:
+            try:
+                started.append(self._routed("Rank", r, context, functools.partial(self._submit, r)))
+            except _Failure as f:
+                started.append(f)
+        results = []
+        for item in started:
+            try:
+                if isinstance(item, RoutingFailure):
+                    raise item
+                resp = self._finish(item, timeout) if isinstance(item, Future) else item
+                results.append(rank_pb2.RankBatchResult(code=0, response=resp))
+                code = grpc.StatusCode.OK
+            except _Failure as f:
+                results.append(_batch_failure(f))
+                code = f.code
+            if self._metrics is not None:
+                self._metrics.requests.labels(code=code.name).inc()
+        return rank_pb2.RankBatchResponse(results=results)
 
     def InspectUser(
         self, request: rank_pb2.InspectUserRequest, context: grpc.ServicerContext
@@ -273,3 +319,14 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             last_ts_ms=info.last_ts_ms,
             model_version=self._model_version,
         )
+
+
+def _batch_failure(f: RoutingFailure) -> rank_pb2.RankBatchResult:
+    """One RankBatch request's failure: what Rank would have aborted with, as a result."""
+    md = dict(f.metadata or ())
+    return rank_pb2.RankBatchResult(
+        code=f.code.value[0],
+        message=f.message,
+        owner=md.get(OWNER, ""),
+        retry_pushback_ms=int(md.get(RETRY_PUSHBACK, 0) or 0),
+    )

@@ -30,6 +30,7 @@ class Limits:
     max_k: int
     max_candidates: int
     max_context_events: int
+    max_batch_requests: int
     max_replay_notes: int
     default_replay_notes: int
     events: EventLimits

@@ -248,6 +248,62 @@ def test_health_serving_and_reflection_lists_service(channel: grpc.Channel) -> N
     assert {"recmem.v1.RecMem", "grpc.health.v1.Health"} <= names
 
 
+def test_rank_batch_answers_each_request_like_rank(stub, server: RankServer) -> None:
+    """One RankBatch call: a result per request in order, each what Rank answers; a bad
+    request fails alone with Rank's status and message; the call's size is bounded."""
+    reqs = [rank_pb2.RankRequest(user_id=f"user{u}", k=4) for u in range(6)]
+    reqs.insert(2, rank_pb2.RankRequest(user_id="user1", k=0))  # malformed
+    reqs.append(rank_pb2.RankRequest(user_id="nobody", k=3))  # cold start
+    ok_before = (
+        server.metrics.registry.get_sample_value("recmem_rank_requests_total", {"code": "OK"}) or 0
+    )
+    got = stub.RankBatch(rank_pb2.RankBatchRequest(requests=reqs), timeout=TIMEOUT)
+    assert len(got.results) == len(reqs)
+    for req, res in zip(reqs, got.results):
+        if req.k == 0:
+            assert res.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "k must be positive" in res.message and not res.HasField("response")
+            continue
+        alone = stub.Rank(req, timeout=TIMEOUT)
+        assert res.code == 0
+        assert [it.item_id for it in res.response.items] == [it.item_id for it in alone.items]
+        assert [it.score for it in res.response.items] == pytest.approx(
+            [it.score for it in alone.items], abs=1e-5
+        )
+        assert (res.response.position, res.response.cold_start) == (
+            alone.position,
+            alone.cold_start,
+        )
+    assert got.results[-1].response.cold_start
+    reg = server.metrics.registry
+    # the batch's 7 good requests and the 7 single Rank calls after it
+    assert reg.get_sample_value("recmem_rank_requests_total", {"code": "OK"}) == ok_before + 14
+    for n, what in ((0, "holds 0 requests"), (257, "server.max_batch_requests")):
+        batch = rank_pb2.RankBatchRequest(requests=[reqs[0]] * n)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RankBatch(batch, timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert what in (err.value.details() or "")
+
+
+def test_rank_batch_shares_engine_steps(tmp_path: Path) -> None:
+    env = make_env(tmp_path / "spill")
+    loop = start_loop(env, window_ms=200.0, adaptive=False)
+    srv = start(env, loop)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = rank_pb2_grpc.RecMemStub(ch)
+            reqs = [rank_pb2.RankRequest(user_id=f"user{i % 6}", k=3) for i in range(12)]
+            got = stub.RankBatch(rank_pb2.RankBatchRequest(requests=reqs), timeout=TIMEOUT)
+        assert [r.code for r in got.results] == [0] * 12
+        assert loop.counts.requests == 12
+        assert loop.counts.batches < 12 and loop.counts.largest_batch > 1
+    finally:
+        srv.stop(grace=1.0)
+        loop.stop()
+        env.built.close()
+
+
 def test_concurrent_requests_are_micro_batched(tmp_path: Path) -> None:
     env = make_env(tmp_path / "spill")
     loop = start_loop(env, window_ms=300.0, adaptive=False)

@@ -55,6 +55,32 @@ class RankResponse(_message.Message):
     context_applied: int
     def __init__(self, items: _Optional[_Iterable[_Union[ScoredItem, _Mapping]]] = ..., model_version: _Optional[str] = ..., position: _Optional[int] = ..., cold_start: _Optional[bool] = ..., notes_replayed: _Optional[int] = ..., context_applied: _Optional[int] = ...) -> None: ...
 
+class RankBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RankRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RankRequest, _Mapping]]] = ...) -> None: ...
+
+class RankBatchResult(_message.Message):
+    __slots__ = ("code", "message", "response", "owner", "retry_pushback_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    RETRY_PUSHBACK_MS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    response: RankResponse
+    owner: str
+    retry_pushback_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[RankResponse, _Mapping]] = ..., owner: _Optional[str] = ..., retry_pushback_ms: _Optional[int] = ...) -> None: ...
+
+class RankBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RankBatchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[RankBatchResult, _Mapping]]] = ...) -> None: ...
+
 class InspectUserRequest(_message.Message):
     __slots__ = ("user_id",)
     USER_ID_FIELD_NUMBER: _ClassVar[int]

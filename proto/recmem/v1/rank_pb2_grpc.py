@@ -49,6 +49,11 @@ class RecMemStub:
                 request_serializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingRequest.SerializeToString,
                 response_deserializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingResponse.FromString,
                 _registered_method=True)
+        self.RankBatch = channel.unary_unary(
+                '/recmem.v1.RecMem/RankBatch',
+                request_serializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RankBatchRequest.SerializeToString,
+                response_deserializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RankBatchResponse.FromString,
+                _registered_method=True)
 
 
 class RecMemServicer:
@@ -82,6 +87,18 @@ class RecMemServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RankBatch(self, request, context):
+        """Many Rank requests in one call, for callers that batch: the requests this instance owns
+        are submitted to the engine together (one micro-batch where they fit), the others are
+        forwarded or redirected one by one as Rank would. Each request gets its own result, OK
+        or an error, in request order; one bad request never fails the others. The call itself
+        fails (INVALID_ARGUMENT) only when it holds no request or more than
+        server.max_batch_requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RecMemServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +116,11 @@ def add_RecMemServicer_to_server(servicer, server):
                     servicer.Routing,
                     request_deserializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingRequest.FromString,
                     response_serializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingResponse.SerializeToString,
+            ),
+            'RankBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.RankBatch,
+                    request_deserializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RankBatchRequest.FromString,
+                    response_serializer=proto_dot_recmem_dot_v1_dot_rank__pb2.RankBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +204,33 @@ class RecMem:
             '/recmem.v1.RecMem/Routing',
             proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingRequest.SerializeToString,
             proto_dot_recmem_dot_v1_dot_rank__pb2.RoutingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RankBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recmem.v1.RecMem/RankBatch',
+            proto_dot_recmem_dot_v1_dot_rank__pb2.RankBatchRequest.SerializeToString,
+            proto_dot_recmem_dot_v1_dot_rank__pb2.RankBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

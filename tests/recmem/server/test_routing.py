@@ -2,7 +2,7 @@
 both learn the same partition -> owner map; a Rank or InspectUser for a user the other one
 owns is forwarded (one hop) and answers exactly what the owner answers; a redirecting
 instance names the owner; a forwarded call is never forwarded again; RankClient routes by
-key and follows redirects."""
+key and follows redirects; RankBatch routes each of its requests the same way."""
 
 from __future__ import annotations
 
@@ -140,3 +140,35 @@ def test_forward_redirect_and_the_client(pair):
         assert client.counts["redirects"] > 0
     text = a.metrics.registry.get_sample_value("recmem_rank_routes_total", {"route": "forwarded"})
     assert text and text > 0
+    # RankClient.rank_batch: one call per owner, every answer the owner's; through a stale
+    # map (everything at b) the requests b does not own are sent again alone
+    with RankClient([f"127.0.0.1:{b.port}"]) as client:
+        reqs = [rank_pb2.RankRequest(user_id=u, k=5, request_ts_ms=REQUEST_TS) for u in counts]
+        for stale in (False, True):
+            if stale:
+                client._owners = {p: b.server.address for p in range(4)}
+            got = client.rank_batch(reqs)
+            assert [r.code for r in got] == [0] * len(reqs)
+            assert [r.response.position for r in got] == list(counts.values())
+        assert client.counts["redirects"] > 0
+    # RankBatch routes each request like Rank: a forwards (every answer is the owner's), b
+    # redirects (a result per request, naming the owner)
+    reqs = [rank_pb2.RankRequest(user_id=u, k=5, request_ts_ms=REQUEST_TS) for u in counts]
+    for port in (a.port, b.port):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            got = rank_pb2_grpc.RecMemStub(ch).RankBatch(
+                rank_pb2.RankBatchRequest(requests=reqs), timeout=20
+            )
+        assert len(got.results) == len(reqs)
+        for user, r in zip(counts, got.results):
+            owner = owner_port[partition_for(user, 4)]
+            if port == b.port and owner == a.port:
+                assert r.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+                assert r.owner == a.server.address and not r.HasField("response")
+            else:
+                alone = rank_at(owner, user)  # scores equal up to the batch's float order
+                assert r.code == 0 and r.response.position == alone.position
+                assert [i.item_id for i in r.response.items] == [i.item_id for i in alone.items]
+                assert [i.score for i in r.response.items] == pytest.approx(
+                    [i.score for i in alone.items], abs=1e-5
+                )
