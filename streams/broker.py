@@ -155,6 +155,11 @@ class EmbeddedBroker:
     def log_path(self) -> Path | None:
         return self._log_path
 
+    @property
+    def pid(self) -> int | None:
+        """The broker process's id while it runs (benchmarks read its memory)."""
+        return self._proc.pid if self.is_running() and self._proc is not None else None
+
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
