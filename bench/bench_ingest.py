@@ -23,10 +23,8 @@ resident user.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -40,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from benchinfo import git_commit  # noqa: E402
+from benchinfo import git_commit, machine, write_result  # noqa: E402
 from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 
 from models.recommender import MemoryRecommender  # noqa: E402
@@ -216,7 +214,7 @@ def main() -> None:
     ratio = float(e2e["events_per_s"]) / raw["events_per_s"]  # type: ignore[arg-type]
     result = {
         "benchmark": "ingest",
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+        "machine": machine()
         + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "load_average_1_5_15m_at_end": [round(x, 2) for x in os.getloadavg()],
@@ -239,10 +237,7 @@ def main() -> None:
         "goal": ">= 0.5 of the raw rate",
         "goal_met": ratio >= 0.5,
     }
-    out = Path(args.out) / f"ingest_{args.tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(Path(args.out) / f"ingest_{args.tag}.json", result)
 
 
 if __name__ == "__main__":

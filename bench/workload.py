@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import platform
 import resource
 import sys
 import tempfile
@@ -39,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-from benchinfo import git_commit  # noqa: E402
+from benchinfo import git_commit, machine, write_result  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from recmem.config import Config, load_config  # noqa: E402
@@ -186,7 +184,7 @@ def main() -> None:
     spec = cfg.workload
     result = {
         "benchmark": "workload",
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "machine": machine(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "load_average_1_5_15m_at_end": [round(x, 2) for x in os.getloadavg()],
         "commit": git_commit(),
@@ -204,10 +202,7 @@ def main() -> None:
             4,
         ),
     }
-    out = Path(args.out) / f"workload_{args.tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(Path(args.out) / f"workload_{args.tag}.json", result)
 
 
 if __name__ == "__main__":
