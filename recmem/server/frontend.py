@@ -12,7 +12,8 @@ reflection), so the per-call gRPC and protobuf work runs in N processes:
   batches were in flight, plus the micro-batch window, adaptive as in the engine loop) and
   sent to the engine process as one ``RankBatch``; each caller gets its own result, a
   failed one as the status, message and trailing metadata (``recmem-owner``,
-  ``grpc-retry-pushback-ms``) Rank would have answered. So batches grow with load.
+  ``grpc-retry-pushback-ms``, ``recmem-partition``, ``recmem-generation``) Rank would have
+  answered. So batches grow with load.
 - ``RankBatch``, ``InspectUser``, ``Routing``: passed through as they are.
 - Health mirrors the engine process's (NOT_SERVING until it is ready, and from its stop).
 
@@ -45,7 +46,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
-from recmem.client import OWNER, RETRY_PUSHBACK
+from recmem.client import GENERATION, OWNER, PARTITION, RETRY_PUSHBACK
 from recmem.config import Config
 from recmem.server.app import GrpcServer
 from recmem.server.routing import FORWARDED
@@ -251,6 +252,10 @@ class FrontEndServicer(rank_pb2_grpc.RecMemServicer):
             trailing.append((OWNER, res.owner))
         if res.retry_pushback_ms:
             trailing.append((RETRY_PUSHBACK, str(res.retry_pushback_ms)))
+        if res.HasField("partition"):
+            trailing.append((PARTITION, str(res.partition)))
+        if res.HasField("generation"):
+            trailing.append((GENERATION, str(res.generation)))
         _abort(context, _CODES.get(res.code, grpc.StatusCode.UNKNOWN), res.message, tuple(trailing))
 
     def _pass(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
