@@ -185,7 +185,16 @@ class RankBatcher:
             timeout = max(max(c.deadline for c in calls) - now, 0.001)
             metadata = ((FORWARDED, forwarded),) if forwarded else ()
             request = rank_pb2.RankBatchRequest(requests=[c.request for c in calls])
-            fut = self._stub.RankBatch.future(request, timeout=timeout, metadata=metadata)
+            try:
+                fut = self._stub.RankBatch.future(request, timeout=timeout, metadata=metadata)
+            except BaseException as e:  # noqa: BLE001 - e.g. the channel closed: callers get it
+                for c in calls:
+                    c.result.set_exception(e)
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        self._in_flight.release()
+                continue
             fut.add_done_callback(lambda f, calls=calls: done(calls, f))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -232,6 +233,9 @@ def test_a_killed_front_end_is_replaced_and_stop_ends_them_all(tmp_path: Path) -
     address = f"127.0.0.1:{svc.port}"
     req = rank_pb2.RankRequest(user_id="user1", k=3)
     try:
+        # the engine's server: a socket only this user reaches
+        assert stat.S_IMODE(os.stat(fronts.run_dir).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(fronts.engine_socket).st_mode) == 0o600
         victim, survivor = fronts.pids
         os.kill(victim, signal.SIGKILL)
         # new connections go to the survivor until the replacement listens
