@@ -289,7 +289,15 @@ class ServerConfig:
     vector (8 of {1, 4, 8, 16, 32} on ML-100K VALID: 1 lost 11 % NDCG@10 to no replay, 8 is
     within noise of it; reports/ml-100k-notebank-tuning/)."""
     threads: int = 64
-    """gRPC handler threads (each waits on the micro-batcher; bounds concurrent requests)."""
+    """gRPC handler threads (each waits on the micro-batcher; bounds concurrent requests);
+    with ``frontends``, per front-end process and in the engine process."""
+    frontends: int = 0
+    """Front-end processes serving the public port (0 = the one process serves it). With N
+    >= 1 the engine, ingest and routing stay in the service's process, bound to a private
+    unix socket, and N processes bind host:port with SO_REUSEPORT, collect concurrent Rank
+    calls into one RankBatch to the engine each, and pass the other calls through
+    (docs/serving.md, "Front-end processes"): the per-call gRPC work spreads over N
+    processes. Restarted when one dies (at most 5 times a minute each)."""
     request_timeout_s: float = 30.0
     """Longest a rank call waits for its micro-batch (the client deadline applies if shorter)."""
     shutdown_grace_s: float = 5.0

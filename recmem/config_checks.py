@@ -97,6 +97,7 @@ RANGES: dict[str, str] = {
     "server.max_replay_notes": "[0, inf)",
     "server.replay_query_events": "[0, inf)",
     "server.threads": "[1, inf)",
+    "server.frontends": "[0, 64]",
     "server.request_timeout_s": "(0, inf)",
     "server.max_message_bytes": "[1, 2147483647]",
     "server.torch_threads": "[0, inf)",

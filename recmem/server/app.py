@@ -1,6 +1,11 @@
 """The gRPC rank server: the RecMem servicer in front of the engine loop (which micro-batches
 the requests), standard health checking and reflection, optional TLS and bearer token,
-graceful stop."""
+graceful stop.
+
+``GrpcServer`` is the server around any RecMem servicer (the front-end processes of
+``server.frontends`` build theirs with it, recmem/server/frontend.py); ``RankServer`` is the
+one around the engine loop. This module imports neither torch nor the engine at import
+time, so that a front-end process stays light."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import gc
 import logging
 import time
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,14 +21,15 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.config import Config
-from recmem.engine import EngineLoop
 from recmem.server.auth import BearerTokenInterceptor, server_credentials
 from recmem.server.guards import CallArrivals, DecodeGuard
 from recmem.server.metrics import RankMetrics
-from recmem.server.servicer import RecMemServicer, Router
-from recmem.server.validation import Limits
-from recmem.vocab import ItemVocab
-from streams.validate import Limits as EventLimits
+
+if TYPE_CHECKING:
+    from recmem.engine import EngineLoop
+    from recmem.server.servicer import Router
+    from recmem.server.validation import Limits
+    from recmem.vocab import ItemVocab
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +39,9 @@ DRAIN_QUIET_S = 0.5
 
 
 def limits_from_config(cfg: Config) -> Limits:
+    from recmem.server.validation import Limits
+    from streams.validate import Limits as EventLimits
+
     s = cfg.server
     return Limits(
         max_k=s.max_k,
@@ -68,73 +78,79 @@ def settle_heap() -> float:
     return took
 
 
-class RankServer:
-    """Owns the grpc.Server and the health servicer, in front of an engine loop (started
-    and stopped by its owner: the service stops it after the last checkpoint).
+class GrpcServer:
+    """Owns a grpc.Server serving ``servicer`` (the RecMem API) with the health servicer,
+    reflection and the interceptors (call arrivals, bearer token, undecodable payloads).
 
-    ``start()`` binds ``server.host:server.port`` (port 0 picks a free port; see ``port``),
-    ``stop(grace)`` reports NOT_SERVING, drains, then lets in-flight calls finish.
+    Public (``private=""``): binds ``server.host:server.port`` (port 0 picks a free port;
+    see ``port``; ``port`` given: that one instead) with TLS and the bearer token as
+    configured; ``reuse_port`` lets several processes bind the same port (SO_REUSEPORT:
+    the kernel spreads connections over them). Private (``private`` a gRPC address such as
+    ``unix:/run/dir/engine.sock``): binds only that, without TLS or token (the caller keeps
+    it private: a socket in a directory only this user reads), and accepts messages of any
+    size (a front end's RankBatch carries many requests of up to ``server.max_message_bytes``).
+
+    ``start()`` starts it, ``stop(grace)`` reports NOT_SERVING, drains, then lets in-flight
+    calls finish.
     """
 
     def __init__(
         self,
         cfg: Config,
-        loop: EngineLoop,
-        vocab: ItemVocab,
-        model_version: str,
+        servicer: rank_pb2_grpc.RecMemServicer,
         metrics: RankMetrics | None = None,
-        router: Router | None = None,
+        *,
+        private: str = "",
+        port: int | None = None,
+        reuse_port: bool = False,
     ) -> None:
-        if vocab.n_items != loop.ranker.n_items:
-            raise ValueError(
-                f"vocabulary has {vocab.n_items} items, the model {loop.ranker.n_items}"
-            )
         s = cfg.server
         self.cfg = cfg
-        self.loop = loop
         self.metrics = metrics if metrics is not None else RankMetrics()
-        loop.add_batch_observer(self.metrics.batch_size.observe)
         self.arrivals = CallArrivals()
         guard = DecodeGuard(lambda method: self.metrics.undecodable.labels(method=method).inc())
         interceptors: list[grpc.ServerInterceptor] = [self.arrivals]
-        if s.auth_token:
+        if s.auth_token and not private:
             interceptors.append(BearerTokenInterceptor(s.auth_token))
         interceptors.append(guard)
+        options: list[tuple[str, int]] = [
+            ("grpc.max_receive_message_length", -1 if private else s.max_message_bytes)
+        ]
+        if reuse_port:
+            options.append(("grpc.so_reuseport", 1))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.threads, thread_name_prefix="grpc"),
             interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", s.max_message_bytes)],
-        )
-        servicer = RecMemServicer(
-            loop,
-            vocab,
-            limits_from_config(cfg),
-            model_version,
-            timeout_s=s.request_timeout_s,
-            metrics=self.metrics,
-            router=router,
+            options=options,
         )
         rank_pb2_grpc.add_RecMemServicer_to_server(servicer, self.server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
-        address = f"{s.host}:{s.port}"
-        if s.tls_cert:
-            self.port = self.server.add_secure_port(
-                address, server_credentials(s.tls_cert, s.tls_key)
-            )
+        self.private = private
+        self.tls = bool(s.tls_cert) and not private
+        if private:
+            if self.server.add_insecure_port(private) == 0:
+                raise ValueError(f"cannot listen on {private}")
+            self.port = s.port if port is None else port
         else:
-            if s.tls_key:
-                raise ValueError("server.tls_key is set but server.tls_cert is empty")
-            self.port = self.server.add_insecure_port(address)
-        if self.port == 0:
-            raise ValueError(f"cannot listen on {address}")
-        self.tls = bool(s.tls_cert)
+            address = f"{s.host}:{s.port if port is None else port}"
+            if s.tls_cert:
+                self.port = self.server.add_secure_port(
+                    address, server_credentials(s.tls_cert, s.tls_key)
+                )
+            else:
+                if s.tls_key:
+                    raise ValueError("server.tls_key is set but server.tls_cert is empty")
+                self.port = self.server.add_insecure_port(address)
+            if self.port == 0:
+                raise ValueError(f"cannot listen on {address}")
         self.address = advertised_address(s.advertised_address, s.host, self.port)
-        """Where the other instances and clients reach this one."""
+        """Where the other instances and clients reach this service (with ``private``: the
+        public port the front ends serve)."""
 
-    def start(self, ready: bool = True) -> RankServer:
+    def start(self, ready: bool = True) -> GrpcServer:
         """Start listening. ``ready=False`` reports NOT_SERVING until ``mark_ready()`` (the
         service calls it once its first partitions are restored, so a load balancer does
         not send traffic that would get cold-start answers for known users)."""
@@ -142,8 +158,10 @@ class RankServer:
         if ready:
             self.mark_ready()
         else:
-            for name in ("", SERVICE_NAME):
-                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.set_serving(False)
+        if self.private:
+            log.info("rank service on %s (private, for the front ends)", self.private)
+            return self
         log.info(
             "rank service on %s:%d (%s%s)",
             self.cfg.server.host,
@@ -162,8 +180,13 @@ class RankServer:
         """Report SERVING (after settling the heap, ``server.freeze_gc``)."""
         if self.cfg.server.freeze_gc:
             settle_heap()
+        self.set_serving(True)
+
+    def set_serving(self, serving: bool) -> None:
+        """Health of the service (``""`` and the RecMem service name) as reported."""
+        status = health_pb2.HealthCheckResponse
         for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self.health.set(name, status.SERVING if serving else status.NOT_SERVING)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (True) or ``timeout`` passes (False)."""
@@ -175,11 +198,50 @@ class RankServer:
         health turns NOT_SERVING at once; calls are answered as before until none has arrived
         for DRAIN_QUIET_S (clients and load balancers watching health go elsewhere); then the
         port closes and the calls still running get the rest of ``grace`` (at least its last
-        second, or half of a shorter ``grace``) to finish. The engine loop is stopped by its
-        owner."""
+        second, or half of a shorter ``grace``) to finish."""
         grace = self.cfg.server.shutdown_grace_s if grace is None else grace
         deadline = time.monotonic() + grace
         self.health.enter_graceful_shutdown()
         self.arrivals.wait_quiet(DRAIN_QUIET_S, deadline - min(1.0, grace / 2))
         self.server.stop(max(0.0, deadline - time.monotonic())).wait()
         log.info("rank service stopped")
+
+
+class RankServer(GrpcServer):
+    """The server around the engine loop (started and stopped by its owner: the service
+    stops it after the last checkpoint): a ``RecMemServicer`` over ``loop``, whose micro-batch
+    sizes go to ``metrics``. ``private`` and ``port``: see ``GrpcServer`` (the service of
+    ``server.frontends`` binds a private address and advertises the front ends' port)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        loop: EngineLoop,
+        vocab: ItemVocab,
+        model_version: str,
+        metrics: RankMetrics | None = None,
+        router: Router | None = None,
+        *,
+        private: str = "",
+        port: int | None = None,
+    ) -> None:
+        from recmem.server.servicer import RecMemServicer
+
+        if vocab.n_items != loop.ranker.n_items:
+            raise ValueError(
+                f"vocabulary has {vocab.n_items} items, the model {loop.ranker.n_items}"
+            )
+        s = cfg.server
+        metrics = metrics if metrics is not None else RankMetrics()
+        self.loop = loop
+        loop.add_batch_observer(metrics.batch_size.observe)
+        servicer = RecMemServicer(
+            loop,
+            vocab,
+            limits_from_config(cfg),
+            model_version,
+            timeout_s=s.request_timeout_s,
+            metrics=metrics,
+            router=router,
+        )
+        super().__init__(cfg, servicer, metrics, private=private, port=port)

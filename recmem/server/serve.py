@@ -1,9 +1,12 @@
 """``recmem serve``: the engine loop with its two adapters in one process: the Kafka consumer
-(recmem/ingest.py, as ``recmem ingest`` runs it) and the gRPC rank server.
+(recmem/ingest.py, as ``recmem ingest`` runs it) and the gRPC rank server. With
+``server.frontends`` N >= 1 that server listens on a private unix socket only and N
+front-end processes serve the public port (recmem/server/frontends.py).
 
 A stop (SIGTERM, SIGINT, or ``RecMemService.stop``) reports NOT_SERVING and drains the
-in-flight rank calls, then lets the consumer finish its batch, checkpoint, commit and leave
-the group, then stops the engine loop.
+in-flight rank calls (the front ends' first, then the engine's server), then lets the
+consumer finish its batch, checkpoint, commit and leave the group, then stops the engine
+loop.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import dataclasses
 import logging
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -20,6 +24,7 @@ from recmem.engine.builder import BuiltEngine, build_engine
 from recmem.ingest import KafkaIngest, register_gauges
 from recmem.routing import OwnerMap
 from recmem.server.app import RankServer
+from recmem.server.frontends import FrontEnds
 from recmem.server.metrics import RankMetrics
 from recmem.server.routing import Forwarder
 from recmem.server.servicer import Router
@@ -31,7 +36,9 @@ log = logging.getLogger(__name__)
 
 class RecMemService:
     """The whole service of ``recmem serve`` (``ingest=False``: the gRPC side only, on
-    whatever the engine holds, e.g. nothing but cold starts)."""
+    whatever the engine holds, e.g. nothing but cold starts). ``built``: an engine already
+    built by ``build_engine`` (tests and benchmarks that fill it first), instead of the one
+    of ``server.model_dir``; its loop is started here if it is not yet."""
 
     def __init__(
         self,
@@ -40,14 +47,23 @@ class RecMemService:
         init_model: bool = False,
         ingest: bool = True,
         device: str | None = None,
+        built: BuiltEngine | None = None,
     ) -> None:
         self.cfg = cfg
-        self.built: BuiltEngine = build_engine(cfg, device=device, init_model=init_model)
+        if built is None:
+            built = build_engine(cfg, device=device, init_model=init_model)
+        elif not built.loop.alive:
+            built.loop.start()
+        self.built: BuiltEngine = built
         # one registry, one endpoint (server.metrics_port) for the rank and ingest figures
         self.metrics = IngestMetrics(prefix="recmem_ingest")
         # with ingest on, calls go where their user's partition is owned (docs/scaling.md)
         self.owners = OwnerMap(me="") if ingest else None
         router = Router(self.owners, None, cfg.server.retry_hint_ms) if self.owners else None
+        self.failure: BaseException | None = None
+        self._done = threading.Event()
+        # server.frontends: the public port belongs to front-end processes, this server to them
+        self.frontends = FrontEnds(cfg, self._fail) if cfg.server.frontends > 0 else None
         self.server = RankServer(
             cfg,
             self.built.loop,
@@ -55,6 +71,8 @@ class RecMemService:
             self.built.model_version,
             RankMetrics(self.metrics.registry),
             router=router,
+            private=self.frontends.engine_address if self.frontends else "",
+            port=self.frontends.port if self.frontends else None,
         )
         self.forwarder: Forwarder | None = None
         if self.owners is not None and router is not None:
@@ -67,8 +85,6 @@ class RecMemService:
         self.consumer: Any = None
         self.ingest: KafkaIngest | None = None
         self._thread: threading.Thread | None = None
-        self.failure: BaseException | None = None
-        self._done = threading.Event()
         if ingest:
             from streams.consumer import EventConsumer
 
@@ -97,6 +113,8 @@ class RecMemService:
         # with ingest on, health says SERVING only once the first partitions are restored (or
         # the group gave this instance none: it answers by forwarding)
         self.server.start(ready=self.consumer is None)
+        if self.frontends is not None:
+            self.frontends.start()
         if self.cfg.server.metrics_port > 0:
             s = self.cfg.server
             self.metrics.serve(s.metrics_port, s.metrics_host, s.metrics_token)
@@ -110,16 +128,28 @@ class RecMemService:
             self.consumer.run()
         except BaseException as e:  # noqa: BLE001 - reported by wait(); the process stops
             log.exception("ingest stopped with an error")
-            self.failure = e
+            self._fail(e)
         finally:
             self._done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        """Stop the service with ``error`` (``wait`` returns; ``run_serve`` exits 1)."""
+        self.failure = error
+        self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the ingest thread ends (error) or ``stop``; True when it ended."""
         return self._done.wait(timeout)
 
     def stop(self, grace: float | None = None) -> None:
-        self.server.stop(grace)  # None: server.shutdown_grace_s
+        grace = self.cfg.server.shutdown_grace_s if grace is None else grace
+        if self.frontends is not None:
+            # NOT_SERVING here shows in every front end's health; they drain their callers
+            began = time.monotonic()
+            self.server.set_serving(False)
+            self.frontends.stop(grace)
+            grace = max(grace - (time.monotonic() - began), 0.0)
+        self.server.stop(grace)
         if self.consumer is not None:
             self.consumer.stop()
             if self._thread is not None:

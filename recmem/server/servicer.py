@@ -324,9 +324,14 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
 def _batch_failure(f: RoutingFailure) -> rank_pb2.RankBatchResult:
     """One RankBatch request's failure: what Rank would have aborted with, as a result."""
     md = dict(f.metadata or ())
-    return rank_pb2.RankBatchResult(
+    result = rank_pb2.RankBatchResult(
         code=f.code.value[0],
         message=f.message,
         owner=md.get(OWNER, ""),
         retry_pushback_ms=int(md.get(RETRY_PUSHBACK, 0) or 0),
     )
+    if PARTITION in md:
+        result.partition = int(md[PARTITION])
+    if GENERATION in md:
+        result.generation = int(md[GENERATION])
+    return result

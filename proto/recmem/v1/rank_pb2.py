@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.recmem.v1 import event_pb2 as proto_dot_recmem_dot_v1_dot_event__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aproto/recmem/v1/rank.proto\x12\trecmem.v1\x1a\x1bproto/recmem/v1/event.proto\"/\n\rReplayOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\r\n\x05notes\x18\x02 \x01(\x05\"\xa9\x01\n\x0bRankRequest\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63\x61ndidate_item_ids\x18\x02 \x03(\t\x12\t\n\x01k\x18\x03 \x01(\x05\x12(\n\x06replay\x18\x04 \x01(\x0b\x32\x18.recmem.v1.ReplayOptions\x12!\n\x07\x63ontext\x18\x05 \x03(\x0b\x32\x10.recmem.v1.Event\x12\x15\n\rrequest_ts_ms\x18\x06 \x01(\x03\",\n\nScoredItem\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"\xa2\x01\n\x0cRankResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.recmem.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x03\x12\x12\n\ncold_start\x18\x04 \x01(\x08\x12\x16\n\x0enotes_replayed\x18\x05 \x01(\x05\x12\x17\n\x0f\x63ontext_applied\x18\x06 \x01(\x05\"<\n\x10RankBatchRequest\x12(\n\x08requests\x18\x01 \x03(\x0b\x32\x16.recmem.v1.RankRequest\"\x85\x01\n\x0fRankBatchResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12)\n\x08response\x18\x03 \x01(\x0b\x32\x17.recmem.v1.RankResponse\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x19\n\x11retry_pushback_ms\x18\x05 \x01(\x05\"@\n\x11RankBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.recmem.v1.RankBatchResult\"%\n\x12InspectUserRequest\x12\x0f\n\x07user_id\x18\x01 \x01(\t\"\xcc\x01\n\x13InspectUserResponse\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08position\x18\x03 \x01(\x03\x12\x17\n\x0funlocked_blocks\x18\x04 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12\x12\n\nnote_count\x18\x06 \x01(\x05\x12\x15\n\rresident_tier\x18\x07 \x01(\t\x12\x12\n\nlast_ts_ms\x18\x08 \x01(\x03\x12\x15\n\rmodel_version\x18\t \x01(\t\"\x10\n\x0eRoutingRequest\"4\n\x0ePartitionOwner\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x8c\x01\n\x0fRoutingResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x12\n\npartitions\x18\x02 \x01(\x05\x12)\n\x06owners\x18\x03 \x03(\x0b\x32\x19.recmem.v1.PartitionOwner\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t2\x99\x02\n\x06RecMem\x12\x37\n\x04Rank\x12\x16.recmem.v1.RankRequest\x1a\x17.recmem.v1.RankResponse\x12L\n\x0bInspectUser\x12\x1d.recmem.v1.InspectUserRequest\x1a\x1e.recmem.v1.InspectUserResponse\x12@\n\x07Routing\x12\x19.recmem.v1.RoutingRequest\x1a\x1a.recmem.v1.RoutingResponse\x12\x46\n\tRankBatch\x12\x1b.recmem.v1.RankBatchRequest\x1a\x1c.recmem.v1.RankBatchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aproto/recmem/v1/rank.proto\x12\trecmem.v1\x1a\x1bproto/recmem/v1/event.proto\"/\n\rReplayOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\r\n\x05notes\x18\x02 \x01(\x05\"\xa9\x01\n\x0bRankRequest\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63\x61ndidate_item_ids\x18\x02 \x03(\t\x12\t\n\x01k\x18\x03 \x01(\x05\x12(\n\x06replay\x18\x04 \x01(\x0b\x32\x18.recmem.v1.ReplayOptions\x12!\n\x07\x63ontext\x18\x05 \x03(\x0b\x32\x10.recmem.v1.Event\x12\x15\n\rrequest_ts_ms\x18\x06 \x01(\x03\",\n\nScoredItem\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"\xa2\x01\n\x0cRankResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.recmem.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x03\x12\x12\n\ncold_start\x18\x04 \x01(\x08\x12\x16\n\x0enotes_replayed\x18\x05 \x01(\x05\x12\x17\n\x0f\x63ontext_applied\x18\x06 \x01(\x05\"<\n\x10RankBatchRequest\x12(\n\x08requests\x18\x01 \x03(\x0b\x32\x16.recmem.v1.RankRequest\"\xd3\x01\n\x0fRankBatchResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12)\n\x08response\x18\x03 \x01(\x0b\x32\x17.recmem.v1.RankResponse\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x19\n\x11retry_pushback_ms\x18\x05 \x01(\x05\x12\x16\n\tpartition\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\ngeneration\x18\x07 \x01(\x03H\x01\x88\x01\x01\x42\x0c\n\n_partitionB\r\n\x0b_generation\"@\n\x11RankBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.recmem.v1.RankBatchResult\"%\n\x12InspectUserRequest\x12\x0f\n\x07user_id\x18\x01 \x01(\t\"\xcc\x01\n\x13InspectUserResponse\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08position\x18\x03 \x01(\x03\x12\x17\n\x0funlocked_blocks\x18\x04 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12\x12\n\nnote_count\x18\x06 \x01(\x05\x12\x15\n\rresident_tier\x18\x07 \x01(\t\x12\x12\n\nlast_ts_ms\x18\x08 \x01(\x03\x12\x15\n\rmodel_version\x18\t \x01(\t\"\x10\n\x0eRoutingRequest\"4\n\x0ePartitionOwner\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x8c\x01\n\x0fRoutingResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x12\n\npartitions\x18\x02 \x01(\x05\x12)\n\x06owners\x18\x03 \x03(\x0b\x32\x19.recmem.v1.PartitionOwner\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t2\x99\x02\n\x06RecMem\x12\x37\n\x04Rank\x12\x16.recmem.v1.RankRequest\x1a\x17.recmem.v1.RankResponse\x12L\n\x0bInspectUser\x12\x1d.recmem.v1.InspectUserRequest\x1a\x1e.recmem.v1.InspectUserResponse\x12@\n\x07Routing\x12\x19.recmem.v1.RoutingRequest\x1a\x1a.recmem.v1.RoutingResponse\x12\x46\n\tRankBatch\x12\x1b.recmem.v1.RankBatchRequest\x1a\x1c.recmem.v1.RankBatchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,19 +43,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKBATCHREQUEST']._serialized_start=502
   _globals['_RANKBATCHREQUEST']._serialized_end=562
   _globals['_RANKBATCHRESULT']._serialized_start=565
-  _globals['_RANKBATCHRESULT']._serialized_end=698
-  _globals['_RANKBATCHRESPONSE']._serialized_start=700
-  _globals['_RANKBATCHRESPONSE']._serialized_end=764
-  _globals['_INSPECTUSERREQUEST']._serialized_start=766
-  _globals['_INSPECTUSERREQUEST']._serialized_end=803
-  _globals['_INSPECTUSERRESPONSE']._serialized_start=806
-  _globals['_INSPECTUSERRESPONSE']._serialized_end=1010
-  _globals['_ROUTINGREQUEST']._serialized_start=1012
-  _globals['_ROUTINGREQUEST']._serialized_end=1028
-  _globals['_PARTITIONOWNER']._serialized_start=1030
-  _globals['_PARTITIONOWNER']._serialized_end=1082
-  _globals['_ROUTINGRESPONSE']._serialized_start=1085
-  _globals['_ROUTINGRESPONSE']._serialized_end=1225
-  _globals['_RECMEM']._serialized_start=1228
-  _globals['_RECMEM']._serialized_end=1509
+  _globals['_RANKBATCHRESULT']._serialized_end=776
+  _globals['_RANKBATCHRESPONSE']._serialized_start=778
+  _globals['_RANKBATCHRESPONSE']._serialized_end=842
+  _globals['_INSPECTUSERREQUEST']._serialized_start=844
+  _globals['_INSPECTUSERREQUEST']._serialized_end=881
+  _globals['_INSPECTUSERRESPONSE']._serialized_start=884
+  _globals['_INSPECTUSERRESPONSE']._serialized_end=1088
+  _globals['_ROUTINGREQUEST']._serialized_start=1090
+  _globals['_ROUTINGREQUEST']._serialized_end=1106
+  _globals['_PARTITIONOWNER']._serialized_start=1108
+  _globals['_PARTITIONOWNER']._serialized_end=1160
+  _globals['_ROUTINGRESPONSE']._serialized_start=1163
+  _globals['_ROUTINGRESPONSE']._serialized_end=1303
+  _globals['_RECMEM']._serialized_start=1306
+  _globals['_RECMEM']._serialized_end=1587
 # @@protoc_insertion_point(module_scope)

@@ -62,18 +62,22 @@ class RankBatchRequest(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[RankRequest, _Mapping]]] = ...) -> None: ...
 
 class RankBatchResult(_message.Message):
-    __slots__ = ("code", "message", "response", "owner", "retry_pushback_ms")
+    __slots__ = ("code", "message", "response", "owner", "retry_pushback_ms", "partition", "generation")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     RETRY_PUSHBACK_MS_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     response: RankResponse
     owner: str
     retry_pushback_ms: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[RankResponse, _Mapping]] = ..., owner: _Optional[str] = ..., retry_pushback_ms: _Optional[int] = ...) -> None: ...
+    partition: int
+    generation: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[RankResponse, _Mapping]] = ..., owner: _Optional[str] = ..., retry_pushback_ms: _Optional[int] = ..., partition: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RankBatchResponse(_message.Message):
     __slots__ = ("results",)

@@ -1,4 +1,5 @@
-"""Two `recmem serve` services in one consumer group on the real broker (in this process):
+"""Two `recmem serve` services in one consumer group on the real broker (in this process; b
+also with front-end processes, server.frontends):
 both learn the same partition -> owner map; a Rank or InspectUser for a user the other one
 owns is forwarded (one hop) and answers exactly what the owner answers; a redirecting
 instance names the owner; a forwarded call is never forwarded again; RankClient routes by
@@ -34,8 +35,10 @@ def wait_until(pred, timeout_s: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-@pytest.fixture
-def pair(tmp_path, kafka_config):
+@pytest.fixture(params=[0, 2], ids=["one-process", "b-frontends"])
+def pair(request, tmp_path, kafka_config):
+    """Services a (forward) and b (redirect; with ``server.frontends`` = the param: its
+    answers, redirects included, come through front-end processes)."""
     env = make_env(tmp_path / "spill-env", n_users=1)
     cfg = env.cfg
     cfg.kafka = kafka_config(partitions=4)
@@ -56,6 +59,7 @@ def pair(tmp_path, kafka_config):
         producer.send(events, progress=False)
     cfg_b = copy.deepcopy(cfg)
     cfg_b.server.routing = "redirect"
+    cfg_b.server.frontends = request.param
     a = RecMemService(cfg, device="cpu").start()
     b = RecMemService(cfg_b, device="cpu").start()
     try:
@@ -165,6 +169,8 @@ def test_forward_redirect_and_the_client(pair):
             if port == b.port and owner == a.port:
                 assert r.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
                 assert r.owner == a.server.address and not r.HasField("response")
+                assert r.partition == partition_for(user, 4)
+                assert r.generation == b.owners.current.generation
             else:
                 alone = rank_at(owner, user)  # scores equal up to the batch's float order
                 assert r.code == 0 and r.response.position == alone.position

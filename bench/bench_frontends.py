@@ -1,0 +1,241 @@
+"""Rank through front-end processes (``server.frontends``) against the one-process server, on
+the same engine in the same run.
+
+    .venv/bin/python bench/bench_frontends.py [--frontends 0,2] [--concurrency 8,32]
+        [--replay 0,2] [--seconds 3] [--rounds 2] [--users N] [--events N] [--items N]
+        [--set section.field=value ...] [--json PATH]
+
+A server process builds the memory engine of ``bench/bench_rank.py`` (default model shape,
+freshly initialised, 256 users with Zipf histories ingested through ``Engine.apply``),
+starts its loop, and serves it at once in each way asked: ``server.frontends = 0`` (the
+``RankServer`` on a port of its own) and N >= 1 (the engine's server on a private unix
+socket behind N front-end processes sharing a port, as ``recmem serve`` runs them). The
+client (``bench_rank.run_cell``: closed-loop threads on one channel per client process)
+runs each cell (concurrency x R, 100 candidates, k = 10) against every setting in turn,
+``--rounds`` times with the order alternating, so slow drifts of a shared machine fall on
+both. Per cell: p50/p99/mean, throughput, and the engine loop's mean micro-batch.
+
+Writes PATH (default bench/results/frontends_cpu.json, or _gpu): machine, date, commit,
+command, load averages, cells. On a 2-core CPU the engine's rank step, the front ends and
+the client share two cores, so this shows the cost and the batching, not the gain a
+many-core GPU host would see (where the per-call Python gRPC work of one process is the
+limit, issue 14).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from bench_rank import build_memory_stack, cpu_name, run_cell
+from benchinfo import git_commit
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def serve(args: argparse.Namespace, conn: Any) -> None:
+    """Child process: build and ingest, serve the engine once per front-end setting,
+    answer the loop's counts on request."""
+    import dataclasses
+
+    import torch
+
+    from recmem.server.app import RankServer
+    from recmem.server.frontends import FrontEnds
+
+    made = build_memory_stack(args)
+    cfg, built, vocab = made["cfg"], made["built"], made["vocab"]
+    loop = built.loop.start()
+    servers: list[Any] = []
+    fronts: list[FrontEnds] = []
+    ports = {}
+    for n in args.frontends:
+        if n == 0:
+            srv = RankServer(cfg, loop, vocab, built.model_version).start()
+        else:
+            c = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, frontends=n))
+            front = FrontEnds(c)
+            srv = RankServer(c, loop, vocab, built.model_version,
+                             private=front.engine_address, port=front.port).start()  # fmt: skip
+            fronts.append(front.start())
+        servers.append(srv)
+        ports[n] = srv.port
+    conn.send(
+        {
+            "ports": ports,
+            "device": made["device"],
+            "device_name": torch.cuda.get_device_name()
+            if made["device"].startswith("cuda")
+            else cpu_name(),
+            "torch_threads": torch.get_num_threads(),
+            "ingest": made["ingest"],
+        }
+    )
+    while conn.recv() != "stop":
+        c = loop.counts
+        conn.send({"batches": c.batches, "requests": c.requests, "busy_s": c.busy_seconds})
+    for front in fronts:
+        front.stop(1.0)
+    for srv in servers:
+        srv.stop(grace=1.0)
+    built.close()
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def main() -> None:
+    wall = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--frontends", type=_ints, default=(0, 2), help="settings, e.g. 0,2")
+    ap.add_argument("--concurrency", type=_ints, default=(8, 32))
+    ap.add_argument("--replay", type=_ints, default=(0, 2), help="R values, 0 = off")
+    ap.add_argument("--seconds", type=float, default=3.0, help="measurement time per cell")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the cells")
+    ap.add_argument("--users", type=int, default=256)
+    ap.add_argument("--events", type=int, default=300, help="mean events per user")
+    ap.add_argument("--items", type=int, default=3706)
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU: 1)")
+    ap.add_argument("--set", action="append", default=[], metavar="section.field=value")
+    ap.add_argument("--json", default="", help="output file")
+    args = ap.parse_args()
+    args.replay_cache = 0  # every request replays (no events arrive while the cells run)
+    cells: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-frontends-") as spill:
+        args.spill_dir = spill
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=serve, args=(args, child), daemon=True)
+        proc.start()
+        try:
+            info = parent.recv()
+            print(f"server on {info['device']}: ports {info['ports']}", flush=True)
+            for r in range(args.rounds):
+                for c in args.concurrency:
+                    for replay in args.replay:
+                        order = list(args.frontends)
+                        if (r + c + replay) % 2:
+                            order.reverse()
+                        for n in order:
+                            parent.send("counts")
+                            before = parent.recv()
+                            cell = run_cell(info["ports"][n], c, "cand100", replay, args.seconds,
+                                            args.users, args.items, seed=c)  # fmt: skip
+                            parent.send("counts")
+                            after = parent.recv()
+                            batches = after["batches"] - before["batches"]
+                            cell.update(
+                                frontends=n,
+                                concurrency=c,
+                                replay_notes=replay,
+                                round=r,
+                                mean_engine_batch=(after["requests"] - before["requests"])
+                                / max(batches, 1),
+                                engine_busy_share=(after["busy_s"] - before["busy_s"])
+                                / args.seconds,
+                                load_avg_1m=os.getloadavg()[0],
+                            )
+                            cells.append(cell)
+                            print(
+                                f"round {r} frontends={n} c={c:2d} R={replay}: p50"
+                                f" {cell['p50_ms']:6.2f} ms p99 {cell['p99_ms']:6.2f} ms"
+                                f" {cell['throughput_rps']:7.1f} req/s engine batch"
+                                f" {cell['mean_engine_batch']:.1f} load {cell['load_avg_1m']:.1f}",
+                                flush=True,
+                            )
+            parent.send("stop")
+        finally:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+    summary = []
+    for c in args.concurrency:
+        for replay in args.replay:
+            row: dict[str, Any] = {"concurrency": c, "replay_notes": replay}
+            for n in args.frontends:
+                got = [x for x in cells if (x["frontends"], x["concurrency"], x["replay_notes"])
+                       == (n, c, replay)]  # fmt: skip
+                row[f"frontends_{n}"] = {
+                    "throughput_rps": float(np.mean([x["throughput_rps"] for x in got])),
+                    "p50_ms": float(np.mean([x["p50_ms"] for x in got])),
+                    "p99_ms": float(np.mean([x["p99_ms"] for x in got])),
+                    "mean_engine_batch": float(np.mean([x["mean_engine_batch"] for x in got])),
+                }
+            summary.append(row)
+    gpu = info["device"].startswith("cuda")
+    result = {
+        "bench": "frontends",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "command": " ".join(["bench/bench_frontends.py", *sys.argv[1:]]),
+        "note": (
+            "frontends 0 = the one-process server; N = the engine's server on a private unix "
+            "socket behind N front-end processes sharing one port (server.frontends). Both "
+            "serve the same engine in the same run, cells alternating. "
+            + (
+                ""
+                if gpu
+                else f"This machine has {os.cpu_count()} cores shared by the engine, the front "
+                "ends and the client (and other work): it cannot show the gain of front ends "
+                "on a many-core GPU host, where one process's per-call gRPC work is the limit."
+            )
+        ),
+        "machine": {
+            "host": socket.gethostname(),
+            "cpu_count": os.cpu_count(),
+            "load_avg_1m_at_start": load_start,
+            "load_avg_1m_at_end": os.getloadavg()[0],
+            "device": info["device"],
+            "device_name": info["device_name"],
+            "torch_threads": info["torch_threads"],
+        },
+        "setup": {
+            "users": args.users,
+            "mean_events_per_user": args.events,
+            "items": args.items,
+            "candidates": 100,
+            "k": 10,
+            "seconds_per_cell": args.seconds,
+            "rounds": args.rounds,
+            "client": "one process, a thread per concurrent caller, one channel",
+            "overrides": args.set,
+            "ingest": info["ingest"],
+        },
+        "summary": summary,
+        "cells": cells,
+        "wall_seconds": time.perf_counter() - wall,
+    }
+    path = Path(
+        args.json or ROOT / "bench" / "results" / f"frontends_{'gpu' if gpu else 'cpu'}.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print()
+    print("| c | R | " + " | ".join(f"frontends {n}: req/s, p50, p99 ms, engine batch"
+                                    for n in args.frontends) + " |")  # fmt: skip
+    for row in summary:
+        parts = [
+            f"{row[f'frontends_{n}']['throughput_rps']:.0f}, {row[f'frontends_{n}']['p50_ms']:.1f},"
+            f" {row[f'frontends_{n}']['p99_ms']:.1f}, {row[f'frontends_{n}']['mean_engine_batch']:.1f}"
+            for n in args.frontends
+        ]
+        print(f"| {row['concurrency']} | {row['replay_notes']} | " + " | ".join(parts) + " |")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

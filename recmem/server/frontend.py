@@ -1,0 +1,388 @@
+"""A front-end process of ``server.frontends`` (docs/serving.md, "Front-end processes").
+
+``recmem serve`` with ``server.frontends = N`` keeps the engine loop, ingest and the full
+``RecMemServicer`` in its own process, bound to a private unix socket only, and runs N of
+these processes (recmem/server/frontends.py starts and supervises them). Each binds the
+public ``server.host:port`` with SO_REUSEPORT (the kernel spreads connections over them) and
+serves the public API with the same server construction as the single process
+(``GrpcServer``: TLS, bearer token, message size limit, undecodable payloads, health,
+reflection), so the per-call gRPC and protobuf work runs in N processes:
+
+- ``Rank``: concurrent calls are collected (``RankBatcher``: what queued while earlier
+  batches were in flight, plus the micro-batch window, adaptive as in the engine loop) and
+  sent to the engine process as one ``RankBatch``; each caller gets its own result, a
+  failed one as the status, message and trailing metadata (``recmem-owner``,
+  ``grpc-retry-pushback-ms``, ``recmem-partition``, ``recmem-generation``) Rank would have
+  answered. So batches grow with load.
+- ``RankBatch``, ``InspectUser``, ``Routing``: passed through as they are.
+- Health mirrors the engine process's (NOT_SERVING until it is ready, and from its stop).
+
+A call forwarded by another instance (``recmem-forwarded`` metadata) keeps that metadata on
+its way to the engine process, so it is never forwarded again.
+
+Run as ``python -m recmem.server.frontend``: the first line of stdin is the JSON spec (the
+``[server]`` section, the engine's address, the port, the log level); the process prints
+``ready`` once it listens, and stops (draining, within the grace given) on the stdin line
+``stop <grace_s>`` or at end of file (the service is gone). Imports no torch and no engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+from recmem.client import GENERATION, OWNER, PARTITION, RETRY_PUSHBACK
+from recmem.config import Config
+from recmem.server.app import GrpcServer
+from recmem.server.routing import FORWARDED
+
+log = logging.getLogger(__name__)
+
+IN_FLIGHT = 2
+"""RankBatch calls a front end keeps in flight to the engine process at once; Rank calls
+arriving meanwhile queue up for the next batch."""
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@dataclass
+class _Call:
+    request: rank_pb2.RankRequest
+    forwarded: str
+    """The caller's ``recmem-forwarded`` value ('' when not forwarded)."""
+    deadline: float
+    """monotonic seconds"""
+    result: Future[rank_pb2.RankBatchResult]
+
+
+class RankBatcher:
+    """Collects Rank requests into RankBatch calls on ``stub`` (the engine process's).
+
+    A batch takes the first request queued, waits until fewer than ``IN_FLIGHT`` batches are
+    in flight, then takes whatever has queued meanwhile, up to ``max_requests``
+    (``server.max_batch_requests``, the most one RankBatch may hold). It then waits at most
+    ``window_ms`` for more, and with ``adaptive`` (as the engine loop's micro-batches) only
+    under concurrency, closing as soon as it holds as many requests as the previous batch
+    plus those queued while that was sent."""
+
+    def __init__(
+        self,
+        stub: Any,
+        *,
+        max_requests: int,
+        window_ms: float,
+        adaptive: bool,
+    ) -> None:
+        self._stub = stub
+        self._max = max_requests
+        self._window_s = window_ms / 1000.0
+        self._adaptive = adaptive
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._in_flight = threading.Semaphore(IN_FLIGHT)
+        self._last_size = 1
+        self._expected = 1
+        self.batches = 0
+        self.requests = 0
+        self._thread = threading.Thread(target=self._run, name="rank-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, request: rank_pb2.RankRequest, forwarded: str, deadline: float
+    ) -> Future[rank_pb2.RankBatchResult]:
+        call = _Call(request, forwarded, deadline, Future())
+        self._queue.put(call)
+        return call.result
+
+    def close(self) -> None:
+        """Send what is queued, then end the batching thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            self._in_flight.acquire()
+            batch, closing = self._collect(first)
+            self._send(batch)
+            if closing:
+                return
+
+    def _collect(self, first: _Call) -> tuple[list[_Call], bool]:
+        batch = [first]
+        wait, enough = self._window_s, self._max
+        if self._adaptive:
+            if self._last_size <= 1 and self._queue.empty():
+                wait = 0.0
+            enough = min(self._expected, self._max)
+        deadline = time.monotonic() + wait
+        closing = False
+        while len(batch) < self._max:
+            remaining = deadline - time.monotonic() if len(batch) < enough else 0.0
+            try:
+                call = (
+                    self._queue.get(timeout=remaining)
+                    if remaining > 0
+                    else self._queue.get_nowait()
+                )
+            except queue.Empty:
+                break
+            if call is None:
+                closing = True
+                break
+            batch.append(call)
+        self._last_size = len(batch)
+        self._expected = max(1, len(batch) + self._queue.qsize())
+        return batch, closing
+
+    def _send(self, batch: list[_Call]) -> None:
+        live = [c for c in batch if c.result.set_running_or_notify_cancel()]
+        groups: dict[str, list[_Call]] = {}
+        for c in live:
+            groups.setdefault(c.forwarded, []).append(c)
+        if not groups:
+            self._in_flight.release()
+            return
+        self.batches += 1
+        self.requests += len(live)
+        left = [len(groups)]
+        lock = threading.Lock()
+
+        def done(calls: list[_Call], fut: grpc.Future) -> None:
+            try:
+                results = list(fut.result().results)
+                if len(results) != len(calls):
+                    raise RuntimeError(f"{len(results)} results for {len(calls)} requests")
+                for c, r in zip(calls, results):
+                    c.result.set_result(r)
+            except BaseException as e:  # noqa: BLE001 - each caller answers with it
+                for c in calls:
+                    c.result.set_exception(e)
+            finally:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        self._in_flight.release()
+
+        now = time.monotonic()
+        for forwarded, calls in groups.items():
+            timeout = max(max(c.deadline for c in calls) - now, 0.001)
+            metadata = ((FORWARDED, forwarded),) if forwarded else ()
+            request = rank_pb2.RankBatchRequest(requests=[c.request for c in calls])
+            try:
+                fut = self._stub.RankBatch.future(request, timeout=timeout, metadata=metadata)
+            except BaseException as e:  # noqa: BLE001 - e.g. the channel closed: callers get it
+                for c in calls:
+                    c.result.set_exception(e)
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        self._in_flight.release()
+                continue
+            fut.add_done_callback(lambda f, calls=calls: done(calls, f))
+
+
+def _abort(
+    context: grpc.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    trailing: tuple[tuple[str, str], ...] = (),
+) -> NoReturn:
+    if trailing:
+        context.set_trailing_metadata(trailing)
+    context.abort(code, message)
+    raise AssertionError("grpc's abort returned")  # it raises
+
+
+def _abort_as(context: grpc.ServicerContext, e: BaseException) -> NoReturn:
+    """Answer the caller as the engine process answered this front end."""
+    if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+        trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None  # type: ignore[attr-defined]
+        md = tuple((m.key, m.value) for m in trailing or ())
+        _abort(context, e.code(), e.details() or "", md)  # type: ignore[attr-defined]
+    log.error("call to the engine process failed: %r", e)
+    _abort(context, grpc.StatusCode.INTERNAL, "rank failed; see the server log")
+
+
+class FrontEndServicer(rank_pb2_grpc.RecMemServicer):
+    """The public RecMem API of a front end, over the engine process's ``channel``."""
+
+    def __init__(self, channel: grpc.Channel, cfg: Config) -> None:
+        s = cfg.server
+        self._stub = rank_pb2_grpc.RecMemStub(channel)  # type: ignore[no-untyped-call]
+        self._timeout_s = s.request_timeout_s
+        self.batcher = RankBatcher(
+            self._stub,
+            max_requests=s.max_batch_requests,
+            window_ms=s.batch_window_ms,
+            adaptive=s.adaptive_window,
+        )
+
+    def _timeout(self, context: grpc.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        return max(self._timeout_s if remaining is None else min(remaining, self._timeout_s), 0)
+
+    @staticmethod
+    def _forwarded(context: grpc.ServicerContext) -> str:
+        return next((v for k, v in (context.invocation_metadata() or ()) if k == FORWARDED), "")
+
+    def Rank(
+        self, request: rank_pb2.RankRequest, context: grpc.ServicerContext
+    ) -> rank_pb2.RankResponse:
+        timeout = self._timeout(context)
+        fut = self.batcher.submit(request, self._forwarded(context), time.monotonic() + timeout)
+        try:
+            res = fut.result(timeout=timeout)
+        except FutureTimeout:
+            fut.cancel()
+            _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "rank did not finish in time")
+        except BaseException as e:  # noqa: BLE001 - the engine process's answer, passed on
+            _abort_as(context, e)
+        if res.code == 0:
+            return res.response
+        trailing: list[tuple[str, str]] = []
+        if res.owner:
+            trailing.append((OWNER, res.owner))
+        if res.retry_pushback_ms:
+            trailing.append((RETRY_PUSHBACK, str(res.retry_pushback_ms)))
+        if res.HasField("partition"):
+            trailing.append((PARTITION, str(res.partition)))
+        if res.HasField("generation"):
+            trailing.append((GENERATION, str(res.generation)))
+        _abort(context, _CODES.get(res.code, grpc.StatusCode.UNKNOWN), res.message, tuple(trailing))
+
+    def _pass(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
+        forwarded = self._forwarded(context)
+        remaining = context.time_remaining()
+        try:
+            return getattr(self._stub, method)(
+                request,
+                timeout=self._timeout_s + 1.0 if remaining is None else max(remaining, 0.001),
+                metadata=((FORWARDED, forwarded),) if forwarded else (),
+            )
+        except grpc.RpcError as e:
+            _abort_as(context, e)
+
+    def RankBatch(
+        self, request: rank_pb2.RankBatchRequest, context: grpc.ServicerContext
+    ) -> rank_pb2.RankBatchResponse:
+        return self._pass("RankBatch", request, context)  # type: ignore[no-any-return]
+
+    def InspectUser(
+        self, request: rank_pb2.InspectUserRequest, context: grpc.ServicerContext
+    ) -> rank_pb2.InspectUserResponse:
+        return self._pass("InspectUser", request, context)  # type: ignore[no-any-return]
+
+    def Routing(
+        self, request: rank_pb2.RoutingRequest, context: grpc.ServicerContext
+    ) -> rank_pb2.RoutingResponse:
+        return self._pass("Routing", request, context)  # type: ignore[no-any-return]
+
+
+class FrontEnd:
+    """A front end: the public server over a channel to the engine process at ``engine``
+    (a gRPC address), on ``port`` of ``server.host`` shared with the other front ends."""
+
+    def __init__(self, cfg: Config, engine: str, port: int) -> None:
+        self.channel = grpc.insecure_channel(
+            engine,
+            options=[
+                ("grpc.max_receive_message_length", -1),
+                ("grpc.max_send_message_length", -1),
+                ("grpc.enable_retries", 0),
+            ],
+        )
+        self.servicer = FrontEndServicer(self.channel, cfg)
+        self.server = GrpcServer(cfg, self.servicer, port=port, reuse_port=True)
+        self._watch: Any = None
+        self._stopping = threading.Event()
+        self._mirror = threading.Thread(target=self._mirror_health, name="health", daemon=True)
+
+    def start(self) -> FrontEnd:
+        self.server.start(ready=False)
+        self._mirror.start()
+        return self
+
+    def _mirror_health(self) -> None:
+        """Report what the engine process reports (its service ``""``), NOT_SERVING while
+        it cannot be reached."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        while not self._stopping.is_set():
+            try:
+                self._watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+                for status in self._watch:
+                    self.server.set_serving(status.status == serving)
+            except grpc.RpcError:
+                pass
+            self.server.set_serving(False)
+            self._stopping.wait(0.2)
+
+    def stop(self, grace: float) -> None:
+        """Drain this front end's callers (GrpcServer.stop), send what is still queued, close
+        the channel."""
+        self._stopping.set()
+        if self._watch is not None:
+            self._watch.cancel()
+        self.server.stop(grace)
+        self.servicer.batcher.close()
+        self.channel.close()
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.readline())
+    logging.basicConfig(
+        level=spec.get("log_level", logging.INFO),
+        format=f"%(asctime)s %(levelname)s frontend {spec['index']} %(name)s: %(message)s",
+    )
+    # the service stops its front ends itself (stdin); a terminal's Ctrl-C reaches the
+    # whole process group, and a front end must not quit before the service drains it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cfg = Config.from_dict({"server": spec["server"]})
+    front = FrontEnd(cfg, spec["engine"], int(spec["port"])).start()
+    stop = threading.Event()
+    grace = [cfg.server.shutdown_grace_s]
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    def read_stop() -> None:
+        line = sys.stdin.readline()  # "stop <grace_s>", or "" once the service is gone
+        parts = line.split()
+        grace[0] = float(parts[1]) if len(parts) == 2 and parts[0] == "stop" else 1.0
+        stop.set()
+
+    threading.Thread(target=read_stop, name="stdin", daemon=True).start()
+    print(f"ready {os.getpid()}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    front.stop(grace[0])
+    log.info(
+        "front end %d stopped: %d Rank calls in %d RankBatch calls",
+        spec["index"],
+        front.servicer.batcher.requests,
+        front.servicer.batcher.batches,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
