@@ -479,6 +479,7 @@ class MemoryEpoch:
             res = model.advance(
                 items[:, s:e], actions[:, s:e], ts[:, s:e], seg_len, state,
                 request_ts=request_ts[:, s:e],
+                host_positions=(np.minimum(in_len_np, s), seg_np),  # no device reads
             )  # fmt: skip
             assert res.user is not None
             state = res.state.detach()

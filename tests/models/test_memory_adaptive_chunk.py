@@ -1,22 +1,30 @@
 """The adaptive schedules in one chunked scan (models/memory/adaptive_chunk.py) against
 their definition (naive.memory_scan_scheduled_reference) and the piecewise fast path
 (schedule.adaptive_scan): outputs, states, decisions, sums and every gradient; locked rows
-bit for bit; the window layout."""
+bit for bit; the window layout; the model's training path, and that it reads nothing from
+the device when training gives it the positions."""
 
 from __future__ import annotations
 
 import math
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from models.config import TrainConfig
 from models.memory.adaptive_chunk import AdaptiveCall, WindowLayout, adaptive_scan_chunk
 from models.memory.naive import memory_scan_scheduled_reference
 from models.memory.ops import memory_scan
 from models.memory.schedule import adaptive_scan
+from models.recommender import MemoryRecommender
+from models.sequences import EventSeqs
+from models.train import MemoryEpoch
 from tests.models.test_memory import make_inputs
-from tests.models.test_memory_schedule import sched_of, start_state
+from tests.models.test_memory_schedule import events, sched_of, start_state, tiny_model
 
 F64 = torch.float64
 TIGHT = dict(atol=1e-9, rtol=1e-9)
@@ -146,3 +154,115 @@ def test_window_layout_from_the_host_equals_the_device_read():
         assert torch.equal(positions % 4 == 0, (cols + 1) % 4 == 0)
     call = AdaptiveCall(pos0, lengths, 20, 4, (pos0.numpy(), lengths.numpy()))
     assert call.layout is call.layout and call.pieces[-1][1] == 20
+
+
+# ---------------------------------------------------------------- the model's training path
+
+
+@pytest.mark.parametrize("unlock", ["surprise", "drift"])
+def test_model_training_path_equals_inference(unlock):
+    """With gradients on the chunked train backend (this kernel) and without them on the
+    recurrent backend (piece by piece), the model gives the same outputs and states."""
+    model = tiny_model(unlock=unlock, unlock_threshold=1.0)
+    items, actions, ts, lengths = events(5, 40)
+    state0 = model.init_state(5, "cpu")
+    with torch.no_grad():
+        want = model.advance(items, actions, ts, lengths, state0)
+    model.train()  # dropout is 0
+    host = (state0.pos.numpy(), lengths.numpy())
+    got = model.advance(items, actions, ts, lengths, state0, host_positions=host)
+    assert got.outputs.requires_grad
+    torch.testing.assert_close(got.outputs, want.outputs, **TIGHT)
+    a, b = got.state.to_fields(), want.state.to_fields()
+    for k in a:
+        torch.testing.assert_close(a[k].detach(), b[k], **TIGHT, msg=k)
+
+
+class HostReads:
+    """Counts reads of tensor values on the host (each a synchronisation on a GPU)."""
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+        outer = self
+
+        class Functions(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") in ("cpu", "tolist", "numpy"):
+                    outer.reads.append(func.__name__)
+                return func(*args, **(kwargs or {}))
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero"):
+                    outer.reads.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.modes = (Functions(), Ops())
+
+    def __enter__(self) -> HostReads:
+        for m in self.modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m in reversed(self.modes):
+            m.__exit__(*exc)
+
+
+@pytest.mark.parametrize("unlock", ["surprise", "drift"])
+def test_training_step_reads_nothing_from_the_device(unlock):
+    """Given the positions on the host, an adaptive schedule's forward and backward read no
+    tensor value (without them: one read of pos0 and lengths per call, not per layer)."""
+    model = tiny_model(unlock=unlock, unlock_threshold=1.0).train()
+    items, actions, ts, lengths = events(5, 40)
+    state = model.init_state(5, "cpu")
+    host = (state.pos.numpy(), lengths.numpy())
+    with HostReads() as seen:
+        res = model.advance(items, actions, ts, lengths, state, host_positions=host)
+        res.outputs.sum().backward()
+    assert seen.reads == []
+    with HostReads() as seen:
+        model.advance(items, actions, ts, lengths, state)
+    assert sorted(seen.reads) == ["cpu", "cpu", "numpy", "numpy"]
+
+
+def test_training_loop_gives_the_states_positions():
+    """MemoryEpoch's host positions are the state's own, segment after segment."""
+    model = tiny_model(unlock="surprise", unlock_threshold=1.0).float()
+    rng = np.random.default_rng(0)
+    lengths = np.array([2, 9, 30, 31, 55, 60])
+    n = int(lengths.sum())
+    seqs = EventSeqs(
+        user_ids=[str(u) for u in range(6)],
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        items=rng.integers(0, 30, n), actions=np.zeros(n, np.int64),
+        ts_ms=1_000_000 + np.cumsum(rng.integers(1, 9_000, n)), part=np.zeros(n, np.int64),
+        global_idx=np.arange(n),
+    )  # fmt: skip
+    epoch = MemoryEpoch(
+        model, seqs, lengths, TrainConfig(batch_size=6, segment_len=13), torch.device("cpu")
+    )
+    calls = []
+    advance = MemoryRecommender.advance
+
+    def checked(self, items, actions, ts, lens, state, **kw):
+        pos, seg = kw["host_positions"]
+        assert np.array_equal(pos, state.pos.numpy()) and np.array_equal(seg, lens.numpy())
+        calls.append(len(pos))
+        return advance(self, items, actions, ts, lens, state, **kw)
+
+    class Control:
+        stop, step = False, 0
+
+        def before_step(self):
+            pass
+
+        def after_step(self, loss, n):
+            return False
+
+    MemoryRecommender.advance = checked
+    try:
+        epoch(0, Control())
+    finally:
+        MemoryRecommender.advance = advance
+    assert len(calls) == 5  # 59 inputs in segments of 13
