@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
@@ -96,16 +95,16 @@ class HostReads(TorchFunctionMode):
     def __init__(self, counter: OpCount) -> None:
         super().__init__()
         self.counter = counter
-        self.copies: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        self.copies: dict[int, torch.Tensor] = {}  # kept alive: ids stay unique
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         name = getattr(func, "__name__", "")
         if self.counter.reading and name in ("cpu", "tolist", "numpy"):
-            if not (name == "numpy" and args and args[0] in self.copies):
+            if not (name == "numpy" and args and id(args[0]) in self.copies):
                 self.counter.reads += 1
             if name == "cpu" and isinstance(out, torch.Tensor):
-                self.copies.add(out)
+                self.copies[id(out)] = out
         return out
 
 
