@@ -8,6 +8,9 @@ the GPU, where small memory models are bound by kernel launches and host synchro
 - ``host_reads``: reads of tensor values on the host inside ``advance`` (``.cpu()``,
   ``.tolist()``, ``.numpy()`` of a tensor not already copied, ``.item()`` and Python
   conversions, ``nonzero``, boolean indexing; on a GPU, each a synchronisation);
+- ``cumprods``: ``cumprod`` calls inside ``advance``: with torch 2.11 (the H200 image) the
+  backward of each checks its input for zeros on the host (models/train_step.py), one more
+  synchronisation per call that the CPU's torch does not show;
 - ``s_per_step``: CPU seconds per step (median and min over the timed steps; one thread).
 
 for ``memory.unlock`` = uniform, surprise and drift, at the batch sizes of ML-100K (19
@@ -72,12 +75,15 @@ class OpCount(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
         self.reading = False
         self.reads = 0
+        self.cumprods = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = func.overloadpacket.__name__
         self.ops[name] += 1
         if self.reading and (name in SYNC_OPS or _bool_index(name, args)):
             self.reads += 1
+        if self.reading and name == "cumprod":
+            self.cumprods += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -178,6 +184,7 @@ def worker(unlock: str, batch: int, count_steps: int, time_steps: int) -> dict[s
         "ops_per_step": total / count_steps,
         "kernels_per_step": kernels / count_steps,
         "host_reads_per_step": counter.reads / count_steps,
+        "cumprods_per_step": counter.cumprods / count_steps,
         "s_per_step_median": statistics.median(timed.times),
         "s_per_step_min": min(timed.times),
         "steps_timed": len(timed.times),
@@ -268,6 +275,7 @@ def main() -> None:
                         f"{name:6s} B={batch:3d} {unlock:8s} ops {got['ops_per_step']:8.0f} "
                         f"kernels {got['kernels_per_step']:7.0f} "
                         f"host reads {got['host_reads_per_step']:4.1f} "
+                        f"cumprods {got['cumprods_per_step']:5.1f} "
                         f"s/step {got['s_per_step_median']:.2f} (min {got['s_per_step_min']:.2f})",
                         flush=True,
                     )

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.memory.chunk_aligned import _pair_products, aligned_chunk_size
+from models.memory.chunk_aligned import aligned_chunk_size
 from models.memory.naive import SURPRISE_EPS, l2norm
 from models.memory.schedule import AdaptiveResult, UnlockSchedule, decision_pieces
 
@@ -195,7 +195,7 @@ def adaptive_scan_chunk(
 
     # The gate algebra of chunk_aligned.py for every chunk at once: it holds no mask.
     A, Ep = _pair_products(torch.stack([a, e]))  # [Nc, B, H, C(i), C(s)]
-    a_pre, e_pre = torch.stack([a, e]).cumprod(-1)  # A_{i,0}: the product through i
+    a_pre, e_pre = _prefix_products(torch.stack([a, e]))  # A_{i,0}: the product through i
     Ao = A * on[..., None, :]
     G = Ao @ Ep  # G_{i,s} = sum_r A_{i,r} o_r E_{r,s}
     G_prev = F.pad(G[..., :-1, :], (0, 0, 1, 0))
@@ -314,6 +314,27 @@ def adaptive_scan_chunk(
         lay.to_events(y), Z[..., :V], Z[..., V:] if momentum else M0, unlocks, acc,
         lay.to_events(vpos.view(B, Nc * C)), lay.to_events(signals),
     )  # fmt: skip
+
+
+def _prefix_products(g: torch.Tensor) -> torch.Tensor:
+    """The running product along the last dimension, g_0 g_1 ... g_i at i, in log2 steps of
+    multiplications: ``cumprod``'s backward checks its input for zeros on the host (torch
+    2.11 on the H200, models/train_step.py), a synchronisation this path avoids."""
+    n, d = g.shape[-1], 1
+    while d < n:
+        g = g * F.pad(g[..., :-d], (d, 0), value=1.0)
+        d *= 2
+    return g
+
+
+def _pair_products(g: torch.Tensor) -> torch.Tensor:
+    """P[..., i, s] = prod_{r=s+1..i} g[..., r] for i >= s, 0 above the diagonal (as
+    ``chunk_aligned._pair_products``, through ``_prefix_products``). g: [..., C] -> [..., C, C]."""
+    C = g.shape[-1]
+    lower = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
+    # x[..., s, i] = g_i for i > s, else 1: the running product along i starts after s
+    x = torch.where(~lower, g[..., None, :], torch.ones((), dtype=g.dtype, device=g.device))
+    return _prefix_products(x).transpose(-1, -2) * lower
 
 
 def _open_rows(

@@ -128,6 +128,31 @@ def test_locked_rows_keep_their_bits(unlock):
         assert torch.equal(got.M[b, :, locked], inp["M0"][b, :, locked]), b
 
 
+def test_no_cumprod():
+    """The scan forms its gate products without ``cumprod``, whose backward reads the host
+    on the H200's torch (models/train_step.py)."""
+    B, T, H, K, V, E, N = 4, 20, 2, 8, 4, 4, 16
+    inp = make_inputs(B, T, H, K, V, max_pos=20)
+    inp = {n: t.requires_grad_() if t.is_floating_point() else t for n, t in inp.items()}
+    unlocks0, acc0 = start_state(B, E)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        for unlock in ("surprise", "drift"):
+            sched = sched_of(unlock, E, N, 1.0)
+            res = chunked(inp, unlocks0, acc0, sched, drift_or_none(unlock, B, T))
+            (res.y.sum() + res.S.sum()).backward()
+    assert "bmm" in ops.seen and "cumprod" not in ops.seen
+
+
 def test_calls_without_events_change_nothing():
     B, T, H, K, V, E, N = 3, 5, 2, 8, 4, 4, 16
     inp = make_inputs(B, T, H, K, V, max_pos=20)
