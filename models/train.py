@@ -398,7 +398,7 @@ class MemoryEpoch:
             and device.type == "cuda"
             and tcfg.loss == "full"
             and not tcfg.proteus_ffn_mask
-            and not model.sched.adaptive  # its pieces are cut on the host
+            and not model.sched.adaptive  # its decision windows are laid out per segment
             and static_step_fits(self.batch_size, tcfg.segment_len, model.n_items)
         )
         if graphed:

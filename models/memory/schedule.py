@@ -26,7 +26,9 @@ path cuts each call into pieces at every user's decision positions and runs each
 ordinary scan whose positions are shifted into the open block count's band of the uniform
 schedule ("virtual positions"): the uniform schedule's mask at those positions is the mask
 of k open blocks. Surprise needs S_{t-1}^T k~_t: a second, gradient-free scan of the piece
-with the next event's key as the query reads it (y'_t = S_t^T k~_{t+1}).
+with the next event's key as the query reads it (y'_t = S_t^T k~_{t+1}). On the chunked
+form (training) ``adaptive_chunk.adaptive_scan_chunk`` runs instead: one chunked scan per
+call, the surprise read from its own solve.
 
 ``memory.block_order`` (which blocks open, in what order):
 
