@@ -22,7 +22,8 @@ from models.embeddings import EventEmbeddings
 from models.features import previous_ts, time_gap_buckets
 from models.fusion import ReplayFusion, RouteProjection, check_fusion_config
 from models.hybrid import ReadHead
-from models.memory.ops import memory_readout, memory_scan
+from models.memory.adaptive_chunk import AdaptiveCall, adaptive_scan_chunk
+from models.memory.ops import memory_readout, memory_scan, resolve_backend
 from models.memory.recurrent import at_last_event, event_positions, masked_qk
 from models.memory.schedule import (
     UnlockSchedule,
@@ -58,12 +59,14 @@ class LayerPlan:
     [B, K] each user's key rows in opening order (block orders; None: as they are);
     ``unlocks`` [B], ``acc`` [B, 2] the layer's unlock count and signal sums (surprise |
     drift);
-    ``signal`` [B, T] the drift of the new events (None: surprise)."""
+    ``signal`` [B, T] the drift of the new events (None: surprise); ``call`` the call's
+    positions (adaptive schedules; shared by the layers)."""
 
     rows: torch.Tensor | None = None
     unlocks: torch.Tensor | None = None
     acc: torch.Tensor | None = None
     signal: torch.Tensor | None = None
+    call: AdaptiveCall | None = None
 
 
 @dataclass
@@ -167,19 +170,29 @@ class MemoryLayer(nn.Module):
         backend: str,
         training: bool,
     ) -> LayerScan:
-        """The memory scan of projected events under the layer's unlock schedule."""
+        """The memory scan of projected events under the layer's unlock schedule. An
+        adaptive schedule on the chunked form (the default training path) runs as one
+        chunked scan (``adaptive_scan_chunk``), on any other backend piece by piece."""
         mem = self.mem
         sched = self.sched
         if sched.adaptive:
             assert plan is not None and plan.unlocks is not None and plan.acc is not None
-            res = adaptive_scan(
-                *qkv, S0, M0, pos0, lengths, plan.unlocks, plan.acc,
-                sched=sched, qk_l2norm=mem.qk_l2norm,
-                scan=partial(memory_scan, backend=backend, training=training,
-                             chunk_size=mem.chunk_size),
-                probe=partial(memory_scan, backend=mem.backend, chunk_size=mem.chunk_size),
-                signal=plan.signal,
-            )  # fmt: skip
+            assert plan.call is not None
+            if resolve_backend(backend, qkv[0].device, training) == "chunk":
+                res = adaptive_scan_chunk(
+                    *qkv, S0, M0, pos0, lengths, plan.unlocks, plan.acc,
+                    sched=sched, qk_l2norm=mem.qk_l2norm, signal=plan.signal,
+                    chunk_size=mem.chunk_size, layout=plan.call.layout,
+                )  # fmt: skip
+            else:
+                res = adaptive_scan(
+                    *qkv, S0, M0, pos0, lengths, plan.unlocks, plan.acc,
+                    sched=sched, qk_l2norm=mem.qk_l2norm,
+                    scan=partial(memory_scan, backend=backend, training=training,
+                                 chunk_size=mem.chunk_size),
+                    probe=partial(memory_scan, backend=mem.backend, chunk_size=mem.chunk_size),
+                    signal=plan.signal, pieces=plan.call.pieces,
+                )  # fmt: skip
             return LayerScan(res.y, res.S, res.M, res.positions, sched.horizon,
                              res.unlocks, res.acc)  # fmt: skip
         y, S, M = memory_scan(
@@ -351,17 +364,21 @@ class MemoryRecommender(nn.Module):
         *,
         return_kq: bool = False,
         request_ts: torch.Tensor | None = None,
+        host_positions: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> AdvanceResult:
         """Apply new events ([B, T], right-padded; ``lengths`` [B] valid counts) to ``state``.
         With ``request_ts`` [B, T] (the time each event's next-item question is asked:
-        offline, the next event's timestamp) also the user vector after each event."""
+        offline, the next event's timestamp) also the user vector after each event.
+        ``host_positions``: (``state.pos``, ``lengths``) as numpy arrays, when the caller
+        has them on the host (training does): an adaptive schedule then places its
+        decisions without reading the device (else it reads them once per call)."""
         B, T = items.shape
         if T == 0:
             z = state.h.new_zeros(B, 0, self.embed_dim)
             return AdvanceResult(state, z, None, None if request_ts is None else z)
         x, valid, gaps = self._event_inputs(items, actions, ts_ms, lengths, state)
         tokens = x
-        plans, order_key = self._schedule_plans(state, items, ts_ms, lengths)
+        plans, order_key = self._schedule_plans(state, items, ts_ms, lengths, host_positions)
         Ss, Ms, ks, qs, unlocks, accs = [], [], [], [], [], []
         for li, layer in enumerate(self.layers):
             M0 = None if state.M is None else state.M[:, li]
@@ -402,6 +419,7 @@ class MemoryRecommender(nn.Module):
         items: torch.Tensor,
         ts_ms: torch.Tensor,
         lengths: torch.Tensor,
+        host_positions: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[list[LayerPlan] | None, torch.Tensor | None]:
         """Each layer's unlock-schedule inputs for new events [B, T] (None: the uniform
         schedule in prefix order needs none) and the users' block-order keys after them
@@ -418,6 +436,9 @@ class MemoryRecommender(nn.Module):
         blocks = block_order(sched, key, B, items.device)
         rows = None if blocks is None else row_order(blocks, self.mem_cfg.key_dim)
         signal = self._drift(state, items, lengths) if sched.unlock == "drift" else None
+        call = None
+        if sched.adaptive:
+            call = AdaptiveCall(state.pos, lengths, items.shape[1], sched.delta, host_positions)
         plans = []
         for li in range(len(self.layers)):
             plans.append(
@@ -426,6 +447,7 @@ class MemoryRecommender(nn.Module):
                     None if state.unlocks is None else state.unlocks[:, li],
                     None if state.unlock_acc is None else state.unlock_acc[:, li],
                     signal,
+                    call,
                 )
             )
         return plans, key
@@ -754,6 +776,7 @@ def _gather_user_vectors(
         res = model.advance(
             items, actions, ts, lengths, model.init_state(len(batch), device),
             request_ts=torch.as_tensor(req, device=device),
+            host_positions=(np.zeros(len(batch), dtype=np.int64), need[batch]),
         )  # fmt: skip
         assert res.user is not None
         b_idx = torch.as_tensor(slot[user_of[sel]], device=device)

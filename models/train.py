@@ -398,7 +398,7 @@ class MemoryEpoch:
             and device.type == "cuda"
             and tcfg.loss == "full"
             and not tcfg.proteus_ffn_mask
-            and not model.sched.adaptive  # its pieces are cut on the host
+            and not model.sched.adaptive  # its decision windows are laid out per segment
             and static_step_fits(self.batch_size, tcfg.segment_len, model.n_items)
         )
         if graphed:
@@ -479,6 +479,7 @@ class MemoryEpoch:
             res = model.advance(
                 items[:, s:e], actions[:, s:e], ts[:, s:e], seg_len, state,
                 request_ts=request_ts[:, s:e],
+                host_positions=(np.minimum(in_len_np, s), seg_np),  # no device reads
             )  # fmt: skip
             assert res.user is not None
             state = res.state.detach()

@@ -26,7 +26,9 @@ path cuts each call into pieces at every user's decision positions and runs each
 ordinary scan whose positions are shifted into the open block count's band of the uniform
 schedule ("virtual positions"): the uniform schedule's mask at those positions is the mask
 of k open blocks. Surprise needs S_{t-1}^T k~_t: a second, gradient-free scan of the piece
-with the next event's key as the query reads it (y'_t = S_t^T k~_{t+1}).
+with the next event's key as the query reads it (y'_t = S_t^T k~_{t+1}). On the chunked
+form (training) ``adaptive_chunk.adaptive_scan_chunk`` runs instead: one chunked scan per
+call, the surprise read from its own solve.
 
 ``memory.block_order`` (which blocks open, in what order):
 
@@ -246,6 +248,7 @@ def adaptive_scan(
     scan: ScanFn,
     probe: ScanFn,
     signal: torch.Tensor | None = None,
+    pieces: list[tuple[int, int]] | None = None,
 ) -> AdaptiveResult:
     """``naive.memory_scan_scheduled_reference`` for ``surprise`` / ``drift`` (prefix order;
     orders are a permutation of q and k outside): piece by piece (``decision_pieces``), each
@@ -253,15 +256,17 @@ def adaptive_scan(
     here) at virtual positions, the decisions between pieces. ``acc0`` [B, 2]: the signal
     summed since the last decision and the sum of the past interval means. ``probe``: the
     gradient-free scan that reads the surprise. ``signal`` [B, T]: the drift signal (None:
-    surprise)."""
+    surprise). ``pieces``: ``decision_pieces`` of the call when the caller has them (else
+    pos0 and lengths are read from the device)."""
     B, T = q.shape[:2]
     E, N, delta = sched.n_blocks, sched.horizon, sched.delta
-    pos_h = pos0.detach().cpu().numpy()
-    len_h = lengths.detach().cpu().numpy()
+    if pieces is None:
+        pos_h, len_h = pos0.detach().cpu().numpy(), lengths.detach().cpu().numpy()
+        pieces = decision_pieces(pos_h, len_h, delta)
     S, M = S0, M0
     unlocks, acc = unlocks0, acc0
     ys, vpos_parts, sig_parts = [], [], []
-    for c0, c1 in decision_pieces(pos_h, len_h, delta):
+    for c0, c1 in pieces:
         n = c1 - c0
         pl = torch.clamp(lengths - c0, min=0, max=n)
         n_open = torch.clamp(unlocks + 1, max=E)
