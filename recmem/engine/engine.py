@@ -131,6 +131,9 @@ class Piece:
     slots: torch.Tensor
     positions: np.ndarray
     """Each user's lifetime position before the piece."""
+    packed: bool = False
+    """Run by ``advance_packed``: the result's outputs and (k~, q~) are packed, one row per
+    event, user by user (``MemoryRecommender.advance_packed``)."""
     result: AdvanceResult | None = None
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -235,7 +238,9 @@ class Engine:
         Buckets pay on the CPU path (padded steps cost as much as real ones); on the GPU they
         only add launches, so ``auto`` leaves them off there."""
         mode = self.cfg.state.length_buckets
-        if mode == "on" or (mode == "auto" and self.device.type == "cpu"):
+        if self.packs:
+            groups = [np.arange(len(lengths))]
+        elif mode == "on" or (mode == "auto" and self.device.type == "cpu"):
             bucket = np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
             groups = [np.nonzero(bucket == b)[0] for b in np.unique(bucket)[::-1]]
         else:
@@ -244,6 +249,14 @@ class Engine:
         groups = [g[np.argsort(-lengths[g], kind="stable")] for g in groups]
         cap = self.store.capacity
         return [g[i : i + cap] for g in groups for i in range(0, len(g), cap)]
+
+    @property
+    def packs(self) -> bool:
+        """Whether pieces run ``advance_packed`` (``state.packed_advance``: on, or auto on
+        the CPU, for a model with the uniform schedule in prefix order)."""
+        mode = self.cfg.state.packed_advance
+        on = mode == "on" or (mode == "auto" and self.device.type == "cpu")
+        return on and self.model.packs
 
     def begin(self, plan: IngestPlan, rows: np.ndarray) -> Piece:
         """Gather the piece's users (may move users between tiers): a private copy."""
@@ -263,6 +276,7 @@ class Engine:
             state=state,
             slots=slots,
             positions=state.pos.cpu().numpy(),
+            packed=self.packs,
         )
         self.seconds["gather"] += time.perf_counter() - t0
         return piece
@@ -273,7 +287,8 @@ class Engine:
         on another thread than the engine's owner."""
         t0 = time.perf_counter()
         dev = self.device
-        piece.result = self.model.advance(
+        advance = self.model.advance_packed if piece.packed else self.model.advance
+        piece.result = advance(
             torch.from_numpy(piece.items).to(dev),
             torch.from_numpy(piece.actions).to(dev),
             torch.from_numpy(piece.ts_ms).to(dev),
@@ -293,8 +308,9 @@ class Engine:
         assert res is not None and res.kq is not None, "compute the piece first"
         self.store.scatter(piece.slots, res.state)
         self.tails.observe(
-            piece.users, piece.items, piece.actions, piece.ts_ms, piece.lengths, res.kq[1]
-        )
+            piece.users, piece.items, piece.actions, piece.ts_ms, piece.lengths, res.kq[1],
+            packed=piece.packed,
+        )  # fmt: skip
         for user, part in zip(piece.users, piece.partitions):
             self._record(user, part)
             self._dirty.setdefault(part, set()).add(user)
@@ -302,7 +318,8 @@ class Engine:
         self.totals.events += int(piece.lengths.sum())
         self.seconds["advance"] += piece.seconds.get("advance", 0.0)
         self.seconds["scatter"] += time.perf_counter() - t0
-        self.seconds["user_steps"] += len(piece.users) * piece.items.shape[1]
+        cells = int(piece.lengths.sum()) if piece.packed else piece.items.size
+        self.seconds["user_steps"] += cells
 
     def commit_notes(self, piece: Piece) -> None:
         """The NoteBank's write path for the piece's events (positions continue after each
@@ -320,7 +337,7 @@ class Engine:
         ]
         self.bank.observe_batch(
             piece.users, piece.items, item_ids, piece.actions, piece.ts_ms, event_pos,
-            piece.lengths, res.kq[0], res.kq[1],
+            piece.lengths, res.kq[0], res.kq[1], packed=piece.packed,
         )  # fmt: skip
         piece.result = None  # the kq tensors are large; nothing needs them any more
         self.seconds["archive"] += time.perf_counter() - t0
