@@ -224,7 +224,9 @@ class MemoryLayer(nn.Module):
         lengths: torch.Tensor,
         positions: torch.Tensor,
         return_kq: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None
+    ]:
         """``forward`` on packed events (``models/memory/packed.py``), no autograd, uniform
         schedule in prefix order: x [N, D], their lifetime ``positions`` [N]. Returns the
         output [N, D], S, M after the events and (k~, q~) [N, H, K] when asked."""

@@ -67,29 +67,28 @@ def memory_scan_packed(
     if N == 0:
         return y, S, M
     chunk = aligned_chunk_size(chunk_size, n_blocks, horizon)
-    kw = {"n_blocks": n_blocks, "horizon": horizon, "qk_l2norm": qk_l2norm}
     for backend, rows in packed_groups(lengths, chunk):
         lens, st = lengths[rows], starts[rows]
         m0 = M0[rows] if momentum and M0 is not None else M0
         if backend == "chunk_aligned":
             S_g, M_g = memory_scan_chunk_aligned_packed(
                 q, k, v, theta, eta, alpha, S0[rows], m0, pos0[rows], lens, st, y,
-                chunk_size=chunk_size, **kw,
+                n_blocks=n_blocks, horizon=horizon, qk_l2norm=qk_l2norm, chunk_size=chunk_size,
             )  # fmt: skip
         else:
-            # right-padded [B_g, T_g] views of the group's rows; padding repeats the user's
+            # right-padded [B_g, T_g] copies of the group's rows; padding repeats the user's
             # last event (any finite values: a padding event is an exact no-op)
             T = int(lens.max())
             cols = torch.minimum(torch.arange(T, device=lens.device)[None, :], lens[:, None] - 1)
             idx = (st[:, None] + cols).flatten()
             B = len(rows)
-
-            def pad(x: torch.Tensor) -> torch.Tensor:
-                return x.index_select(0, idx).view(B, T, *x.shape[1:])
-
+            pad = [None if x is None else _rows(x, idx, B, T) for x in (q, k, v, theta, eta, alpha)]
+            q_, k_, v_, th_, eta_, al_ = pad
+            assert q_ is not None and k_ is not None and v_ is not None
+            assert th_ is not None and al_ is not None
             y_g, S_g, M_g = memory_scan_recurrent(
-                pad(q), pad(k), pad(v), pad(theta), None if eta is None else pad(eta),
-                pad(alpha), S0[rows], m0, pos0[rows], lens, **kw,
+                q_, k_, v_, th_, eta_, al_, S0[rows], m0, pos0[rows], lens,
+                n_blocks=n_blocks, horizon=horizon, qk_l2norm=qk_l2norm,
             )  # fmt: skip
             valid = (torch.arange(T, device=lens.device)[None, :] < lens[:, None]).flatten()
             y.index_copy_(0, idx[valid], y_g.reshape(B * T, *y.shape[1:])[valid])
@@ -97,3 +96,8 @@ def memory_scan_packed(
         if momentum and M is not None and M_g is not None:
             M[rows] = M_g
     return y, S, M
+
+
+def _rows(x: torch.Tensor, idx: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """Rows ``idx`` of packed x [N, ...] as a right-padded [B, T, ...] batch."""
+    return x.index_select(0, idx).view(B, T, *x.shape[1:])

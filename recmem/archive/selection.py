@@ -37,10 +37,11 @@ def distinctiveness(k: np.ndarray) -> np.ndarray:
     """
     if k.ndim not in (3, 4):
         raise ValueError(f"keys must be [n, channels, K] or [m, n, channels, K], got {k.shape}")
-    unit = l2_normalise(k.astype(np.float32, copy=False))
+    k32 = k.astype(np.float32, copy=False)  # float16 arithmetic is slow on CPUs
+    unit = l2_normalise(k32)
     centre = l2_normalise(unit.mean(axis=-3))
     cos = np.einsum("...tck,...ck->...tc", unit, centre)
-    zero = np.linalg.norm(k, axis=-1) <= _EPS
+    zero = np.linalg.norm(k32, axis=-1) <= _EPS
     return np.where(zero, 0.0, 1.0 - cos).astype(np.float32)
 
 
