@@ -179,6 +179,8 @@ class Engine:
         self._dirty: dict[int, set[str]] = {}
         """Per partition: users whose state changed since :meth:`clear_dirty` (deltas)."""
         self.totals = EngineTotals()
+        self._names: np.ndarray | None = None
+        """The vocabulary's item ids as an array (``_item_ids``), made on first use."""
         self.seconds: dict[str, float] = dict.fromkeys(
             ("group", "gather", "advance", "scatter", "archive", "user_steps"), 0.0
         )
@@ -331,10 +333,7 @@ class Engine:
         assert res is not None and res.kq is not None
         T = piece.items.shape[1]
         event_pos = piece.positions[:, None] + np.arange(1, T + 1)[None, :]
-        item_ids = [
-            [self._item_id(int(i)) for i in piece.items[b, : piece.lengths[b]]]
-            for b in range(len(piece.users))
-        ]
+        item_ids = self._item_ids(piece.items, piece.lengths)
         self.bank.observe_batch(
             piece.users, piece.items, item_ids, piece.actions, piece.ts_ms, event_pos,
             piece.lengths, res.kq[0], res.kq[1], packed=piece.packed,
@@ -342,10 +341,18 @@ class Engine:
         piece.result = None  # the kq tensors are large; nothing needs them any more
         self.seconds["archive"] += time.perf_counter() - t0
 
-    def _item_id(self, index: int) -> str:
-        if index < self.vocab.n_items:
-            return self.vocab.item_ids[index]
-        return f"<oov:{index - self.vocab.n_items}>"
+    def _item_ids(self, items: np.ndarray, lengths: np.ndarray) -> list[list[str]]:
+        """The raw item id of each user's valid events in right-padded ``items`` [B, T]
+        (an out-of-vocabulary bucket as ``<oov:j>``)."""
+        if self._names is None:
+            self._names = np.array(self.vocab.item_ids, dtype=object)
+        n = self.vocab.n_items
+        flat = items[np.arange(items.shape[1])[None, :] < lengths[:, None]]
+        known = flat < n
+        names = np.empty(len(flat), dtype=object)
+        names[known] = self._names[flat[known]]
+        names[~known] = [f"<oov:{i - n}>" for i in flat[~known].tolist()]
+        return [part.tolist() for part in np.split(names, np.cumsum(lengths)[:-1])]
 
     def _record(self, user: str, partition: int) -> None:
         old = self.partition_of.get(user)
