@@ -118,11 +118,12 @@ class StateConfig:
     """Engine step: on = one memory update per micro-batch on its events only
     (``MemoryRecommender.advance_packed``: embeddings, projections and feed-forward blocks on
     the valid events, no padding cells; the memory scan in one aligned chunked pass for the
-    users with 16+ events and a few recurrent passes for the shorter ones), instead of one
-    ``advance`` per piece; ``length_buckets`` then has no effect. Same results within float
-    rounding. off = one ``advance`` per piece (``length_buckets``); auto = on for the CPU
-    path, off on the GPU. Needs the uniform schedule in prefix order (``memory.unlock`` =
-    uniform, ``memory.block_order`` = prefix); other schedules run ``advance``."""
+    users with 4+ events and one recurrent pass of at most 3 steps for the others), instead
+    of one ``advance`` per piece; ``length_buckets`` then has no effect. Same results within
+    fp32 rounding (docs/ingest.md, "The packed step"). off = one ``advance`` per piece
+    (``length_buckets``; for A/B); auto = on for the CPU path, off on the GPU. Needs the
+    uniform schedule in prefix order (``memory.unlock`` = uniform, ``memory.block_order`` =
+    prefix) and ``memory.backend`` = auto; other models run ``advance`` per piece."""
 
 
 @dataclass
