@@ -411,21 +411,10 @@ class MemoryRecommender(nn.Module):
                 ks.append(kq[0])
                 qs.append(kq[1])
         out = x * valid[..., None]
-        has = lengths > 0
-        h = torch.where(has[:, None], at_last_event(out, lengths), state.h)
-        last_ts = torch.where(has, at_last_event(ts_ms, lengths), state.last_ts)
-        window = self._shift_window(state, items, actions, gaps, ts_ms, valid, lengths)
-        new_state = MemoryState(
-            S=torch.stack(Ss, dim=1),
-            M=None if state.M is None else torch.stack([m for m in Ms if m is not None], dim=1),
-            pos=state.pos + lengths,
-            last_ts=last_ts,
-            h=h,
-            **window,
-            unlocks=_stacked(unlocks),
-            unlock_acc=_stacked(accs),
-            order_key=order_key,
-        )
+        new_state = self._state_after(
+            state, items, actions, ts_ms, lengths, valid, gaps, at_last_event(out, lengths),
+            (Ss, Ms, _stacked(unlocks), _stacked(accs), order_key),
+        )  # fmt: skip
         kq_out = (torch.stack(ks, dim=2), torch.stack(qs, dim=2)) if return_kq else None
         user = None
         if request_ts is not None:
@@ -454,20 +443,18 @@ class MemoryRecommender(nn.Module):
         """``advance`` (no autograd, no request times; ``packs`` must hold) computing only the
         events: the embeddings, projections and feed-forward blocks run on the N valid events
         of the right-padded [B, T] batch, the memory scan on packed events
-        (``models/memory/packed.py``: one aligned chunked scan for the long users, a few
-        recurrent ones for the short). For an ingest batch of users of very different lengths
+        (``models/memory/packed.py``: one aligned chunked scan for the users with a few
+        events or more, one recurrent scan for the others). For an ingest batch of users of very different lengths
         this is a few dozen large operations instead of hundreds of small ones per length
         bucket. ``outputs`` [N, D] and (k~, q~) [N, L, H, K] are packed: user b's events
         are rows sum(lengths[:b]) ... in order. Same results as ``advance`` (within float
         rounding: the sums run in another order)."""
         if not self.packs:
-            raise ValueError("advance_packed needs the uniform schedule in prefix order")
+            raise ValueError(
+                "advance_packed needs the uniform schedule in prefix order and memory.backend auto"
+            )
         B, T = items.shape
-        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
-        gaps = time_gap_buckets(
-            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
-        )
-        gaps = torch.where(valid, gaps, 0)
+        valid, gaps = self._valid_gaps(items, ts_ms, lengths, state)
         flat = valid.flatten().nonzero().flatten()  # row-major: user by user, in order
         n = flat.shape[0]
         ones = torch.ones(n, dtype=lengths.dtype, device=items.device)
@@ -493,24 +480,56 @@ class MemoryRecommender(nn.Module):
             if kq is not None:
                 ks.append(kq[0])
                 qs.append(kq[1])
-        has = lengths > 0
         last = torch.clamp(torch.cumsum(lengths, 0) - 1, min=0)
-        h = torch.where(has[:, None], x[last] if n else state.h, state.h)
-        last_ts = torch.where(has, at_last_event(ts_ms, lengths), state.last_ts)
-        window = self._shift_window(state, items, actions, gaps, ts_ms, valid, lengths)
-        new_state = MemoryState(
+        new_state = self._state_after(
+            state, items, actions, ts_ms, lengths, valid, gaps, x[last] if n else state.h,
+            (Ss, Ms, state.unlocks, state.unlock_acc, state.order_key),
+        )  # fmt: skip
+        kq_out = (torch.stack(ks, dim=1), torch.stack(qs, dim=1)) if return_kq else None
+        return AdvanceResult(new_state, x, kq_out)
+
+    def _state_after(
+        self,
+        state: MemoryState,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts_ms: torch.Tensor,
+        lengths: torch.Tensor,
+        valid: torch.Tensor,
+        gaps: torch.Tensor,
+        last_out: torch.Tensor,
+        layers: tuple[
+            list[torch.Tensor], list[torch.Tensor | None], torch.Tensor | None,
+            torch.Tensor | None, torch.Tensor | None,
+        ],
+    ) -> MemoryState:  # fmt: skip
+        """The state after new events [B, T]: ``last_out`` [B, D] the read-out at each
+        user's last event, ``layers`` the layers' S and M, unlock counts and signal sums
+        ([B, L] or None) and the block-order keys."""
+        Ss, Ms, unlocks, unlock_acc, order_key = layers
+        has = lengths > 0
+        return MemoryState(
             S=torch.stack(Ss, dim=1),
             M=None if state.M is None else torch.stack([m for m in Ms if m is not None], dim=1),
             pos=state.pos + lengths,
-            last_ts=last_ts,
-            h=h,
-            **window,
-            unlocks=state.unlocks,
-            unlock_acc=state.unlock_acc,
-            order_key=state.order_key,
+            last_ts=torch.where(has, at_last_event(ts_ms, lengths), state.last_ts),
+            h=torch.where(has[:, None], last_out, state.h),
+            **self._shift_window(state, items, actions, gaps, ts_ms, valid, lengths),
+            unlocks=unlocks,
+            unlock_acc=unlock_acc,
+            order_key=order_key,
         )
-        kq_out = (torch.stack(ks, dim=1), torch.stack(qs, dim=1)) if return_kq else None
-        return AdvanceResult(new_state, x, kq_out)
+
+    def _valid_gaps(
+        self, items: torch.Tensor, ts_ms: torch.Tensor, lengths: torch.Tensor, state: MemoryState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """valid [B, T] and the events' time-gap buckets [B, T] (0 at padding) of new events."""
+        T = items.shape[1]
+        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
+        gaps = time_gap_buckets(
+            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
+        )
+        return valid, torch.where(valid, gaps, 0)
 
     def _schedule_plans(
         self,
@@ -631,11 +650,7 @@ class MemoryRecommender(nn.Module):
         time, the memory untouched: a rank request's context events, whose memory read-out
         comes from a replay on a copy (``replay_read``)."""
         T = items.shape[1]
-        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
-        gaps = time_gap_buckets(
-            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
-        )
-        gaps = torch.where(valid, gaps, 0)
+        valid, gaps = self._valid_gaps(items, ts_ms, lengths, state)
         window = self._shift_window(state, items, actions, gaps, ts_ms, valid, lengths)
         fields = state.to_fields()
         fields.update(window)
@@ -695,12 +710,7 @@ class MemoryRecommender(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first layer's input x [B, T, D] for new events, valid [B, T] and the events'
         time-gap buckets [B, T]."""
-        T = items.shape[1]
-        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
-        gaps = time_gap_buckets(
-            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
-        )
-        gaps = torch.where(valid, gaps, 0)
+        valid, gaps = self._valid_gaps(items, ts_ms, lengths, state)
         x = self.embed(
             torch.where(valid, items, 0),
             torch.where(valid, actions, 0),

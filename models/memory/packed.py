@@ -17,22 +17,23 @@ from __future__ import annotations
 import torch
 
 from models.memory.chunk_aligned import aligned_chunk_size, memory_scan_chunk_aligned_packed
+from models.memory.ops import CPU_CHUNK_MIN_SIZE
 from models.memory.recurrent import memory_scan_recurrent
 
-PACKED_CHUNK_MIN_SIZE = 4
-"""Users take the aligned chunked scan only when the aligned chunk is this wide (as
-``ops.CPU_CHUNK_MIN_SIZE``); narrower chunks leave every user on the recurrent scan."""
 PACKED_CHUNK_MIN_EVENTS = 4
-"""... and have at least this many events: a user's chunks hold at most 4x its events then,
+"""Users take the aligned chunked scan when the aligned chunk is at least
+``ops.CPU_CHUNK_MIN_SIZE`` wide (narrower chunks leave every user on the recurrent scan)
+and they have at least this many events: a user's chunks then hold at most 4x its events (8x
+when they cross an unlock and the user is shifted into a second chunk),
 and the users with fewer run ONE recurrent scan of at most 3 steps (a batch of users with
 one event each runs one step, not a chunk of 16 slots per user)."""
 
 
 def packed_groups(lengths: torch.Tensor, chunk: int) -> list[tuple[str, torch.Tensor]]:
     """(backend, user rows) of each scan: ``chunk_aligned`` for the users with >=
-    PACKED_CHUNK_MIN_EVENTS events (when chunk >= PACKED_CHUNK_MIN_SIZE), ``recurrent`` for
+    PACKED_CHUNK_MIN_EVENTS events (when chunk >= CPU_CHUNK_MIN_SIZE), ``recurrent`` for
     the others; users without events are left out."""
-    long = (lengths >= PACKED_CHUNK_MIN_EVENTS) & (chunk >= PACKED_CHUNK_MIN_SIZE)
+    long = (lengths >= PACKED_CHUNK_MIN_EVENTS) & (chunk >= CPU_CHUNK_MIN_SIZE)
     short = (~long) & (lengths > 0)
     groups = [("chunk_aligned", long), ("recurrent", short)]
     return [(name, rows.nonzero().flatten()) for name, rows in groups if bool(rows.any())]

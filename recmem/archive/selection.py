@@ -54,6 +54,11 @@ def session_ids(ts_ms: np.ndarray, gap_ms: float) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(breaks)]).astype(np.int64)
 
 
+def _check_span_args(window: int, n_spans: int, max_span: int) -> None:
+    if window < 1 or n_spans < 1 or max_span < 1:
+        raise ValueError("window, n_spans and max_span must all be >= 1")
+
+
 def select_spans(
     scores: np.ndarray,
     ts_ms: np.ndarray,
@@ -74,8 +79,7 @@ def select_spans(
     n = len(scores)
     if len(ts_ms) != n:
         raise ValueError(f"scores ({n}) and ts_ms ({len(ts_ms)}) differ in length")
-    if window < 1 or n_spans < 1 or max_span < 1:
-        raise ValueError("window, n_spans and max_span must all be >= 1")
+    _check_span_args(window, n_spans, max_span)
     if n == 0:
         return []
     s = scores.astype(np.float64)
@@ -140,8 +144,7 @@ def select_spans_many(
     m, n = scores.shape
     if ts_ms.shape != scores.shape:
         raise ValueError(f"scores {scores.shape} and ts_ms {ts_ms.shape} differ in shape")
-    if window < 1 or n_spans < 1 or max_span < 1:
-        raise ValueError("window, n_spans and max_span must all be >= 1")
+    _check_span_args(window, n_spans, max_span)
     if n == 0:
         return [[] for _ in range(m)]
     s = scores.astype(np.float64)

@@ -233,7 +233,8 @@ class Engine:
         return IngestPlan(batch, pieces, counts)
 
     def _pieces(self, lengths: np.ndarray) -> list[np.ndarray]:
-        """Row sets of the batch, one ``advance`` each: all rows at once, or (with
+        """Row sets of the batch, one ``advance`` each: all rows at once (always with the
+        packed step, ``packs``: it computes no padded cells), or (with
         ``state.length_buckets``) users grouped by power-of-two length so that padding stays
         below 2x the events; any set larger than the slab is cut into slab-sized pieces.
         Each set lists its users longest first.
