@@ -1,7 +1,7 @@
 """End-to-end ingest rate against the raw kafka-python client, in one run on one broker.
 
     .venv/bin/python bench/bench_ingest.py [--dataset ml-100k] [--events 200000]
-        [--partitions 4] [--interval 10] [--device auto] [--tag cpu]
+        [--partitions 4] [--interval 10] [--device auto] [--tag cpu] [--compare S.F=V]
 
 1. the first M events of the dataset (time order; or of the benchmark workload, or of an
    events file: ``--dataset workload | npz:PATH``) go into a fresh topic on the embedded
@@ -13,7 +13,9 @@
    ingests), default model configuration with freshly initialised weights and the
    dataset's items as vocabulary, checkpoints on every ``--interval`` seconds) consumes
    the same M records into applied state; timed from its first batch to the last event
-   applied, and to the final checkpoint.
+   applied, and to the final checkpoint;
+4. with ``--compare section.field=value``: step 3 again with those overrides (a fresh
+   consumer group), then step 2 again, so that an A/B of two engine paths sits in one run.
 
 Writes bench/results/ingest_<tag>.json (or $OUT/...) with machine, date, commit, command,
 both rates and their ratio (goal >= 0.5), batch sizes, where the time went, and bytes per
@@ -172,6 +174,14 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=10.0, help="checkpoint.interval_s")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--set", action="append", default=[], help="extra section.field=value")
+    ap.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        help="section.field=value: after the end-to-end run, a second one on the same topic "
+        "(a fresh consumer group and checkpoint directory) with these overrides, e.g. "
+        "state.packed_advance=off for the per-bucket path; both go in the JSON (A/B in one run)",
+    )
     ap.add_argument("--tag", default="cpu", help="result file name: ingest_<tag>.json")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     args = ap.parse_args()
@@ -209,6 +219,17 @@ def main() -> None:
         if args.device != "auto":
             os.environ["CUDA_VISIBLE_DEVICES"] = "" if args.device == "cpu" else "0"
         e2e = end_to_end(cfg, n)
+        other: dict[str, object] | None = None
+        if args.compare:
+            alt = load_config(None, [*args.set, *args.compare], environ={})
+            alt.kafka = cfg.kafka
+            alt.kafka.group_id = "bench-compare"
+            alt.checkpoint.dir = str(work / "ckpt-compare")
+            alt.checkpoint.interval_s = args.interval
+            alt.state.spill_dir = str(work / "spill-compare")
+            alt.server.model_dir = cfg.server.model_dir
+            other = end_to_end(alt, n)
+        raw_after = raw_rate(cfg, n) if args.compare else None
     shutil.rmtree(work, ignore_errors=True)
 
     ratio = float(e2e["events_per_s"]) / raw["events_per_s"]  # type: ignore[arg-type]
@@ -237,6 +258,16 @@ def main() -> None:
         "goal": ">= 0.5 of the raw rate",
         "goal_met": ratio >= 0.5,
     }
+    if other is not None and raw_after is not None:
+        result["raw_consume_decode_after_compare"] = {k: round(v, 3) for k, v in raw_after.items()}
+        result["compare"] = {
+            "overrides": args.compare,
+            "end_to_end": other,
+            "end_to_end_vs_raw": round(
+                float(other["events_per_s"]) / raw["events_per_s"],
+                4,  # type: ignore[arg-type]
+            ),
+        }
     write_result(Path(args.out) / f"ingest_{args.tag}.json", result)
 
 

@@ -24,6 +24,7 @@ from models.fusion import ReplayFusion, RouteProjection, check_fusion_config
 from models.hybrid import ReadHead
 from models.memory.adaptive_chunk import AdaptiveCall, adaptive_scan_chunk
 from models.memory.ops import memory_readout, memory_scan, resolve_backend
+from models.memory.packed import memory_scan_packed
 from models.memory.recurrent import at_last_event, event_positions, masked_qk
 from models.memory.schedule import (
     UnlockSchedule,
@@ -227,6 +228,41 @@ class MemoryLayer(nn.Module):
             kq = (kt.detach(), qt.detach())
         return self._mix(x, res.y), res, kq
 
+    def forward_packed(
+        self,
+        x: torch.Tensor,
+        S0: torch.Tensor,
+        M0: torch.Tensor | None,
+        pos0: torch.Tensor,
+        lengths: torch.Tensor,
+        positions: torch.Tensor,
+        return_kq: bool = False,
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None
+    ]:
+        """``forward`` on packed events (``models/memory/packed.py``), no autograd, uniform
+        schedule in prefix order: x [N, D], their lifetime ``positions`` [N]. Returns the
+        output [N, D], S, M after the events and (k~, q~) [N, H, K] when asked."""
+        q, k, v, theta, eta, alpha = (
+            None if t is None else t[:, 0] for t in self.project(x[:, None])
+        )
+        assert q is not None and k is not None and v is not None
+        assert theta is not None and alpha is not None
+        mem = self.mem
+        y, S, M = memory_scan_packed(
+            q, k, v, theta, eta, alpha, S0, M0, pos0, lengths,
+            n_blocks=mem.n_blocks, horizon=self.sched.scan_horizon, qk_l2norm=mem.qk_l2norm,
+            chunk_size=mem.chunk_size,
+        )  # fmt: skip
+        kq = None
+        if return_kq:
+            qt, kt, _ = masked_qk(
+                q[:, None], k[:, None], positions[:, None], mem.n_blocks,
+                self.sched.scan_horizon, mem.qk_l2norm,
+            )  # fmt: skip
+            kq = (kt[:, 0], qt[:, 0])
+        return self._mix(x[:, None], y[:, None])[:, 0], S, M, kq
+
     def forward_readout(
         self,
         x: torch.Tensor,
@@ -392,26 +428,125 @@ class MemoryRecommender(nn.Module):
                 ks.append(kq[0])
                 qs.append(kq[1])
         out = x * valid[..., None]
-        has = lengths > 0
-        h = torch.where(has[:, None], at_last_event(out, lengths), state.h)
-        last_ts = torch.where(has, at_last_event(ts_ms, lengths), state.last_ts)
-        window = self._shift_window(state, items, actions, gaps, ts_ms, valid, lengths)
-        new_state = MemoryState(
-            S=torch.stack(Ss, dim=1),
-            M=None if state.M is None else torch.stack([m for m in Ms if m is not None], dim=1),
-            pos=state.pos + lengths,
-            last_ts=last_ts,
-            h=h,
-            **window,
-            unlocks=_stacked(unlocks),
-            unlock_acc=_stacked(accs),
-            order_key=order_key,
-        )
+        new_state = self._state_after(
+            state, items, actions, ts_ms, lengths, valid, gaps, at_last_event(out, lengths),
+            (Ss, Ms, _stacked(unlocks), _stacked(accs), order_key),
+        )  # fmt: skip
         kq_out = (torch.stack(ks, dim=2), torch.stack(qs, dim=2)) if return_kq else None
         user = None
         if request_ts is not None:
             user = self._head(out, ts_ms, request_ts, state, tokens, valid, ts_ms)
         return AdvanceResult(new_state, out, kq_out, user)
+
+    @property
+    def packs(self) -> bool:
+        """Whether ``advance_packed`` applies: the uniform schedule in prefix order (the
+        adaptive and keyed schedules run ``advance``) and ``memory.backend`` auto (a named
+        backend runs ``advance``, on that backend)."""
+        sched = self.sched
+        return not sched.adaptive and sched.order == "prefix" and self.mem_cfg.backend == "auto"
+
+    @torch.no_grad()
+    def advance_packed(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts_ms: torch.Tensor,
+        lengths: torch.Tensor,
+        state: MemoryState,
+        *,
+        return_kq: bool = False,
+    ) -> AdvanceResult:
+        """``advance`` (no autograd, no request times; ``packs`` must hold) computing only the
+        events: the embeddings, projections and feed-forward blocks run on the N valid events
+        of the right-padded [B, T] batch, the memory scan on packed events
+        (``models/memory/packed.py``: one aligned chunked scan for the users with a few
+        events or more, one recurrent scan for the others). For an ingest batch of users of very different lengths
+        this is a few dozen large operations instead of hundreds of small ones per length
+        bucket. ``outputs`` [N, D] and (k~, q~) [N, L, H, K] are packed: user b's events
+        are rows sum(lengths[:b]) ... in order. Same results as ``advance`` (within float
+        rounding: the sums run in another order)."""
+        if not self.packs:
+            raise ValueError(
+                "advance_packed needs the uniform schedule in prefix order and memory.backend auto"
+            )
+        B, T = items.shape
+        valid, gaps = self._valid_gaps(items, ts_ms, lengths, state)
+        flat = valid.flatten().nonzero().flatten()  # row-major: user by user, in order
+        n = flat.shape[0]
+        ones = torch.ones(n, dtype=lengths.dtype, device=items.device)
+
+        def packed(a: torch.Tensor) -> torch.Tensor:
+            return a.flatten().index_select(0, flat)
+
+        x = self.embed(
+            packed(items)[:, None], packed(actions)[:, None], packed(gaps)[:, None], ones,
+            use_kjt=self.use_kjt,
+        )[:, 0]  # fmt: skip
+        x = self.embed_dropout(self.embed_norm(x))
+        positions = packed(state.pos[:, None] + torch.arange(1, T + 1, device=items.device))
+        Ss, Ms, ks, qs = [], [], [], []
+        for li, layer in enumerate(self.layers):
+            assert isinstance(layer, MemoryLayer)
+            M0 = None if state.M is None else state.M[:, li]
+            x, S, M, kq = layer.forward_packed(
+                x, state.S[:, li], M0, state.pos, lengths, positions, return_kq
+            )
+            Ss.append(S)
+            Ms.append(M)
+            if kq is not None:
+                ks.append(kq[0])
+                qs.append(kq[1])
+        last = torch.clamp(torch.cumsum(lengths, 0) - 1, min=0)
+        new_state = self._state_after(
+            state, items, actions, ts_ms, lengths, valid, gaps, x[last] if n else state.h,
+            (Ss, Ms, state.unlocks, state.unlock_acc, state.order_key),
+        )  # fmt: skip
+        kq_out = (torch.stack(ks, dim=1), torch.stack(qs, dim=1)) if return_kq else None
+        return AdvanceResult(new_state, x, kq_out)
+
+    def _state_after(
+        self,
+        state: MemoryState,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts_ms: torch.Tensor,
+        lengths: torch.Tensor,
+        valid: torch.Tensor,
+        gaps: torch.Tensor,
+        last_out: torch.Tensor,
+        layers: tuple[
+            list[torch.Tensor], list[torch.Tensor | None], torch.Tensor | None,
+            torch.Tensor | None, torch.Tensor | None,
+        ],
+    ) -> MemoryState:  # fmt: skip
+        """The state after new events [B, T]: ``last_out`` [B, D] the read-out at each
+        user's last event, ``layers`` the layers' S and M, unlock counts and signal sums
+        ([B, L] or None) and the block-order keys."""
+        Ss, Ms, unlocks, unlock_acc, order_key = layers
+        has = lengths > 0
+        return MemoryState(
+            S=torch.stack(Ss, dim=1),
+            M=None if state.M is None else torch.stack([m for m in Ms if m is not None], dim=1),
+            pos=state.pos + lengths,
+            last_ts=torch.where(has, at_last_event(ts_ms, lengths), state.last_ts),
+            h=torch.where(has[:, None], last_out, state.h),
+            **self._shift_window(state, items, actions, gaps, ts_ms, valid, lengths),
+            unlocks=unlocks,
+            unlock_acc=unlock_acc,
+            order_key=order_key,
+        )
+
+    def _valid_gaps(
+        self, items: torch.Tensor, ts_ms: torch.Tensor, lengths: torch.Tensor, state: MemoryState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """valid [B, T] and the events' time-gap buckets [B, T] (0 at padding) of new events."""
+        T = items.shape[1]
+        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
+        gaps = time_gap_buckets(
+            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
+        )
+        return valid, torch.where(valid, gaps, 0)
 
     def _schedule_plans(
         self,
@@ -537,11 +672,7 @@ class MemoryRecommender(nn.Module):
         time, the memory untouched: a rank request's context events, whose memory read-out
         comes from a replay on a copy (``replay_read``)."""
         T = items.shape[1]
-        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
-        gaps = time_gap_buckets(
-            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
-        )
-        gaps = torch.where(valid, gaps, 0)
+        valid, gaps = self._valid_gaps(items, ts_ms, lengths, state)
         window = self._shift_window(state, items, actions, gaps, ts_ms, valid, lengths)
         fields = state.to_fields()
         fields.update(window)
@@ -601,12 +732,7 @@ class MemoryRecommender(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first layer's input x [B, T, D] for new events, valid [B, T] and the events'
         time-gap buckets [B, T]."""
-        T = items.shape[1]
-        valid = torch.arange(T, device=items.device)[None, :] < lengths[:, None]
-        gaps = time_gap_buckets(
-            ts_ms, previous_ts(ts_ms, state.last_ts), self.model_cfg.n_time_buckets
-        )
-        gaps = torch.where(valid, gaps, 0)
+        valid, gaps = self._valid_gaps(items, ts_ms, lengths, state)
         x = self.embed(
             torch.where(valid, items, 0),
             torch.where(valid, actions, 0),

@@ -142,6 +142,16 @@ class StateConfig:
     """Engine step: on = run a micro-batch's users in power-of-two length buckets (one memory
     update per bucket) so that padding stays under 2x the events; off = one update for the
     batch; auto = on for the CPU path, off on the GPU (its varlen kernels skip padding)."""
+    packed_advance: str = "auto"
+    """Engine step: on = one memory update per micro-batch on its events only
+    (``MemoryRecommender.advance_packed``: embeddings, projections and feed-forward blocks on
+    the valid events, no padding cells; the memory scan in one aligned chunked pass for the
+    users with 4+ events and one recurrent pass of at most 3 steps for the others), instead
+    of one ``advance`` per piece; ``length_buckets`` then has no effect. Same results within
+    fp32 rounding (docs/ingest.md, "The packed step"). off = one ``advance`` per piece
+    (``length_buckets``; for A/B); auto = on for the CPU path, off on the GPU. Needs the
+    uniform schedule in prefix order (``memory.unlock`` = uniform, ``memory.block_order`` =
+    prefix) and ``memory.backend`` = auto; other models run ``advance`` per piece."""
 
 
 @dataclass

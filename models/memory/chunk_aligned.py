@@ -58,7 +58,9 @@ class _Layout:
     chunk); the others keep one mask throughout and are not shifted. Chunk n runs on the
     users up to the last one that still has events in it (callers that list users longest
     first, as the engine does, waste nothing), so the (chunk, user, head) matrices are
-    stored ragged, [R, C, ...], chunk n's from row offset[n] * H on. Padding cells stay 0."""
+    stored ragged, [R, C, ...], chunk n's from row offset[n] * H on. Padding cells stay 0.
+    The inputs are right-padded [B, T, H, D] (``src`` = ``events``) or packed [N, H, D], the
+    rows of the real events only (``src``: starts[b] + t)."""
 
     C: int
     H: int
@@ -66,16 +68,17 @@ class _Layout:
     active: list[int]
     offset: list[int]
     events: torch.Tensor  # [E] flat b * T + t of the real events
+    src: torch.Tensor  # [E] the input row of each real event
     chunk_user: torch.Tensor  # [E] (chunk, user) pair of each event
     cell: torch.Tensor  # [E * H] matrix * C + slot of each (event, head)
 
     def place(
         self, x: torch.Tensor, rows: int, at: int = 0, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x [B, T, H, D] -> [R, rows, D] (zeros, or ``out``): the events' rows at slot +
-        ``at`` of their (chunk, user, head) matrix of ``rows`` rows."""
-        B, T, H, D = x.shape
-        src = x.reshape(B * T, H * D).index_select(0, self.events).view(-1, D)
+        """x [B, T, H, D] (or packed [N, H, D]) -> [R, rows, D] (zeros, or ``out``): the
+        events' rows at slot + ``at`` of their (chunk, user, head) matrix of ``rows`` rows."""
+        H, D = x.shape[-2:]
+        src = x.reshape(-1, H * D).index_select(0, self.src).view(-1, D)
         dst = self.cell + (self.cell // self.C) * (rows - self.C) + at
         if out is None:
             out = x.new_zeros(self.R, rows, D)
@@ -85,7 +88,7 @@ class _Layout:
 
 def _layout(
     positions: torch.Tensor, pos0: torch.Tensor, lengths: torch.Tensor, H: int, K: int, C: int,
-    n_blocks: int, horizon: int,
+    n_blocks: int, horizon: int, starts: torch.Tensor | None = None,
 ) -> _Layout | None:  # fmt: skip
     B, T = positions.shape
     dev = positions.device
@@ -105,7 +108,9 @@ def _layout(
     cell = (matrix * C + torch.remainder(col, C)[:, None]).flatten()
     active, offset = active_t.tolist(), offset_t.tolist()
     R = (offset[-1] + active[-1]) * H
-    return _Layout(C, H, R, active, offset, b_idx * T + t_idx, chunk_user, cell)
+    events = b_idx * T + t_idx
+    src = events if starts is None else starts[b_idx] + t_idx
+    return _Layout(C, H, R, active, offset, events, src, chunk_user, cell)
 
 
 @torch.no_grad()
@@ -128,20 +133,73 @@ def memory_scan_chunk_aligned(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The reference's function without autograd, in chunks of the largest C <=
     ``chunk_size`` that divides Delta; the inputs are not changed."""
+    B, T = q.shape[:2]
+    y = v.new_zeros(v.shape)
+    if T == 0 or B == 0:
+        return y, S0.clone(), None if M0 is None else M0.clone()
+    S, M = _scan(
+        q, k, v, theta, eta, alpha, S0, M0, pos0, lengths, T, None, y.view(B * T, *v.shape[2:]),
+        n_blocks=n_blocks, horizon=horizon, qk_l2norm=qk_l2norm, chunk_size=chunk_size,
+    )  # fmt: skip
+    return y, S, M
+
+
+@torch.no_grad()
+def memory_scan_chunk_aligned_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    eta: torch.Tensor | None,
+    alpha: torch.Tensor,
+    S0: torch.Tensor,
+    M0: torch.Tensor | None,
+    pos0: torch.Tensor,
+    lengths: torch.Tensor,
+    starts: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    n_blocks: int,
+    horizon: int,
+    qk_l2norm: bool = True,
+    chunk_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``memory_scan_chunk_aligned`` on packed events: q, k [N, H, K], v [N, H, V], gates
+    [N, H] hold the events of B users (S0, M0, pos0, lengths [B]) with user b's t-th event
+    in row starts[b] + t. Writes each event's read into ``y`` [N, H, V] (other rows are
+    left as they are) and returns the states after the events (new tensors)."""
+    B = lengths.shape[0]
+    T = int(lengths.max()) if B else 0
+    if T == 0:
+        return S0.clone(), None if M0 is None else M0.clone()
+    return _scan(
+        q, k, v, theta, eta, alpha, S0, M0, pos0, lengths, T, starts, y,
+        n_blocks=n_blocks, horizon=horizon, qk_l2norm=qk_l2norm, chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def _scan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
+    eta: torch.Tensor | None, alpha: torch.Tensor, S0: torch.Tensor, M0: torch.Tensor | None,
+    pos0: torch.Tensor, lengths: torch.Tensor, T: int, starts: torch.Tensor | None,
+    y: torch.Tensor, *, n_blocks: int, horizon: int, qk_l2norm: bool, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The chunked scan of B users' events, T wide: inputs right-padded [B, T, H, .]
+    (``starts`` None) or packed [N, H, .]; the reads go to the events' rows of ``y`` [rows,
+    H, V]; returns S, M after the events."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    B, T, H, K = q.shape
+    B = lengths.shape[0]
+    H, K = q.shape[-2:]
     V = v.shape[-1]
-    if T == 0 or B == 0:
-        return v.new_zeros(v.shape), S0.clone(), None if M0 is None else M0.clone()
     momentum = eta is not None and M0 is not None
     with _denormals_flushed(q.device):
         C = aligned_chunk_size(chunk_size, n_blocks, horizon)
         positions = event_positions(pos0, lengths, T)
         dev = q.device
-        lay = _layout(positions, pos0, lengths, H, K, C, n_blocks, horizon)
+        lay = _layout(positions, pos0, lengths, H, K, C, n_blocks, horizon, starts)
         if lay is None:
-            return v.new_zeros(v.shape), S0.clone(), None if M0 is None else M0.clone()
+            return S0.clone(), None if M0 is None else M0.clone()
         R = lay.R
         kq = lay.place(q, 2 * C, C, out=lay.place(k, 2 * C))  # rows 0..C-1: k, C..2C-1: q
         # The Proteus mask is one per (chunk, user): mask, then normalise, in place.
@@ -215,9 +273,9 @@ def memory_scan_chunk_aligned(
         if momentum:
             Y.addcmul_(reads[:, C:, V:], Fv[..., None])
         Y.baddbmm_(P, W, alpha=-1.0)
-        y = v.new_zeros(B * T, H * V)
-        y.index_copy_(0, lay.events, Y.view(-1, V).index_select(0, lay.cell).view(-1, H * V))
+        event_reads = Y.view(-1, V).index_select(0, lay.cell).view(-1, H, V)
+        y.index_copy_(0, lay.src, event_reads)
         state = state.view(B, H, K, -1)
         S_out = state[..., :V]
         M_out = state[..., V:] if momentum else M0
-        return y.view(B, T, H, V), S_out, M_out
+        return S_out, M_out

@@ -18,8 +18,8 @@ from recmem.archive.selection import (
     address_coords,
     distinctiveness,
     l2_normalise,
-    select_spans,
-    span_addresses,
+    select_spans_many,
+    span_addresses_many,
 )
 from recmem.archive.store import PENDING_DTYPE, Note, PendingEvents, UserArchive
 from recmem.config import ArchiveConfig
@@ -158,26 +158,65 @@ class NoteBank:
     def _append(self, user_id: str, new: PendingEvents) -> int:
         """Buffer prepared events (unit keys and addresses) and close full chunks."""
         with self._lock:
-            ua = self._users.get(user_id)
-            last = ua.last_position if ua is not None else -1
-            if np.any(np.diff(np.concatenate([[last], new.positions])) <= 0):
-                raise ValueError(
-                    f"user {user_id!r}: positions must increase (last seen {last}, "
-                    f"got {new.positions[:4].tolist()}...)"
+            return self._write(self._buffer(user_id, new))
+
+    def _buffer(self, user_id: str, new: PendingEvents) -> list[tuple[str, PendingEvents]]:
+        """Buffer one user's prepared events; returns the chunks that closed (the caller
+        turns them into notes with ``_write``). Checks first: on ValueError nothing changed."""
+        ua = self._users.get(user_id)
+        last = ua.last_position if ua is not None else -1
+        if np.any(np.diff(np.concatenate([[last], new.positions])) <= 0):
+            raise ValueError(
+                f"user {user_id!r}: positions must increase (last seen {last}, "
+                f"got {new.positions[:4].tolist()}...)"
+            )
+        if ua is None:
+            ua = UserArchive(PendingEvents.empty(self.n_channels, self.key_dim, len(self.coords)))
+            self._users[user_id] = ua
+        ua.pending.append(new)
+        ua.last_position = int(new.positions[-1])
+        closed = []
+        while len(ua.pending) >= self.cfg.chunk_events:
+            closed.append((user_id, ua.pending.take(self.cfg.chunk_events)))
+        return closed
+
+    def _write(self, closed: list[tuple[str, PendingEvents]]) -> int:
+        """Notes of closed chunks (several users', each user's in order): distinctiveness,
+        spans and addresses of all of them at once, then each user's notes stored and
+        indexed. Returns the number of notes written."""
+        if not closed:
+            return 0
+        cfg = self.cfg
+        chunks = [c for _, c in closed]
+        d = distinctiveness(np.stack([c.k for c in chunks]))  # [m, n, C_ch]
+        spans = select_spans_many(
+            d.sum(axis=2), np.stack([c.ts_ms for c in chunks]), window=cfg.window,
+            n_spans=cfg.spans_per_chunk, max_span=cfg.max_span, gap_ms=cfg.session_gap_s * 1000.0,
+        )  # fmt: skip
+        where = np.array([(i, a, b) for i, sp in enumerate(spans) for a, b in sp], np.int64)
+        if not len(where):
+            return 0
+        u = np.stack([c.u for c in chunks])
+        addresses = span_addresses_many(d, u, where[:, 0], where[:, 1], where[:, 2])
+        written: dict[str, list[Note]] = {}
+        for (i, start, end), rho in zip(where.tolist(), addresses):
+            user_id, chunk = closed[i]
+            ua = self._users[user_id]
+            written.setdefault(user_id, []).append(
+                Note(
+                    serial=ua.n_written,
+                    items=chunk.items[start:end].copy(),
+                    item_ids=tuple(chunk.item_ids[start:end]),
+                    actions=chunk.actions[start:end].copy(),
+                    ts_ms=chunk.ts_ms[start:end].copy(),
+                    positions=chunk.positions[start:end].copy(),
+                    addresses=rho,
                 )
-            if ua is None:
-                ua = UserArchive(
-                    PendingEvents.empty(self.n_channels, self.key_dim, len(self.coords))
-                )
-                self._users[user_id] = ua
-            ua.pending.append(new)
-            ua.last_position = int(new.positions[-1])
-            written: list[Note] = []
-            while len(ua.pending) >= self.cfg.chunk_events:
-                written += self._close_chunk(ua, ua.pending.take(self.cfg.chunk_events))
-            if written:
-                self._store(user_id, ua, written)
-            return len(written)
+            )
+            ua.n_written += 1
+        for user_id, notes in written.items():
+            self._store(user_id, self._users[user_id], notes)
+        return len(where)
 
     def observe_batch(
         self,
@@ -190,12 +229,15 @@ class NoteBank:
         lengths: Any,
         k: Any,
         q: Any,
+        *,
+        packed: bool = False,
     ) -> int:
         """``observe`` for a right-padded batch: [B, T] event arrays, ``lengths`` [B],
         k, q [B, T, L, H, K] (as the model's advance returns them; moved off the device
-        once). ``item_ids[b]`` lists user b's valid events only. A user whose events are
-        rejected (see ``observe``) is skipped with a warning; the others go on. Returns
-        notes written."""
+        once), or with ``packed`` [N, L, H, K], one row per valid event, user by user (as
+        ``advance_packed`` returns them). ``item_ids[b]`` lists user b's valid events only.
+        A user whose events are rejected (see ``observe``) is skipped with a warning; the
+        others go on. Returns notes written."""
         arrays = [_numpy(x, np.int64) for x in (items, actions, ts_ms, positions)]
         lens = _numpy(lengths, np.int64).reshape(-1)
         if len(user_ids) != len(lens) or len(item_ids) != len(lens):
@@ -203,65 +245,48 @@ class NoteBank:
         if len(lens) == 0 or int(lens.max()) == 0:
             return 0
         B, T = len(lens), int(arrays[0].shape[1])
-        # the unit keys and addresses of the whole batch at once, then one slice per user
-        k_a = _numpy(k, np.float32).reshape(B, T, -1, self.key_dim)
-        q_a = _numpy(q, np.float32).reshape(B, T, -1, self.query_dim)
-        if k_a.shape[2] != self.n_channels or q_a.shape[2] != self.n_channels:
+        N = int(lens.sum())
+        valid = np.arange(T)[None, :] < lens[:, None]
+        # the unit keys and addresses of the batch's events at once (packed: one row per
+        # event, user by user), then one slice per user
+        k_a = _numpy(k, np.float32)
+        q_a = _numpy(q, np.float32)
+        if not packed:
+            k_a, q_a = k_a.reshape(B, T, -1)[valid], q_a.reshape(B, T, -1)[valid]
+        k_a = k_a.reshape(N, -1, self.key_dim)
+        q_a = q_a.reshape(N, -1, self.query_dim)
+        if k_a.shape[1] != self.n_channels or q_a.shape[1] != self.n_channels:
             raise ValueError(
                 f"k and q must be [B, T, {self.n_channels}, K={self.key_dim} | "
-                f"query_dim={self.query_dim}] (or [B, T, L, H, ...]), got {list(k_a.shape)}, "
-                f"{list(q_a.shape)}"
+                f"query_dim={self.query_dim}] (or [B, T, L, H, ...], or packed), got "
+                f"{list(k_a.shape)}, {list(q_a.shape)}"
             )
-        valid = np.arange(T)[None, :] < lens[:, None]
-        finite = (np.isfinite(k_a).all(axis=(2, 3)) & np.isfinite(q_a).all(axis=(2, 3))) | ~valid
+        finite = np.isfinite(k_a).all(axis=(1, 2)) & np.isfinite(q_a).all(axis=(1, 2))
         k_unit = l2_normalise(k_a).astype(PENDING_DTYPE)
         u_unit = l2_normalise(q_a[..., self.coords]).astype(PENDING_DTYPE)
         it, ac, ts, po = arrays
-        total = 0
-        for b, uid in enumerate(user_ids):
-            n = int(lens[b])
-            if not n:
-                continue
-            try:
-                if len(item_ids[b]) != n:
-                    raise ValueError("item_ids differ in length from the user's events")
-                if not finite[b].all():
-                    raise ValueError("keys or queries have non-finite values")
-                new = PendingEvents(
-                    it[b, :n].copy(), [str(i) for i in item_ids[b]], ac[b, :n].copy(),
-                    ts[b, :n].copy(), po[b, :n].copy(), k_unit[b, :n], u_unit[b, :n],
-                )  # fmt: skip
-                total += self._append(uid, new)
-            except ValueError as e:
-                # One user's inconsistent events must not stop the others' (nor ingest).
-                log.warning("NoteBank: skipped %d events of user %r: %s", n, uid, e)
-        return total
-
-    def _close_chunk(self, ua: UserArchive, chunk: PendingEvents) -> list[Note]:
-        d = distinctiveness(chunk.k)
-        spans = select_spans(
-            d.sum(axis=1),
-            chunk.ts_ms,
-            window=self.cfg.window,
-            n_spans=self.cfg.spans_per_chunk,
-            max_span=self.cfg.max_span,
-            gap_ms=self.cfg.session_gap_s * 1000.0,
-        )
-        notes = []
-        for start, end in spans:
-            notes.append(
-                Note(
-                    serial=ua.n_written,
-                    items=chunk.items[start:end].copy(),
-                    item_ids=tuple(chunk.item_ids[start:end]),
-                    actions=chunk.actions[start:end].copy(),
-                    ts_ms=chunk.ts_ms[start:end].copy(),
-                    positions=chunk.positions[start:end].copy(),
-                    addresses=span_addresses(d, chunk.u, start, end),
-                )
-            )
-            ua.n_written += 1
-        return notes
+        starts = np.cumsum(lens) - lens
+        closed: list[tuple[str, PendingEvents]] = []
+        with self._lock:
+            for b, uid in enumerate(user_ids):
+                n, s0 = int(lens[b]), int(starts[b])
+                if not n:
+                    continue
+                try:
+                    if len(item_ids[b]) != n:
+                        raise ValueError("item_ids differ in length from the user's events")
+                    if not finite[s0 : s0 + n].all():
+                        raise ValueError("keys or queries have non-finite values")
+                    new = PendingEvents(
+                        it[b, :n].copy(), [str(i) for i in item_ids[b]], ac[b, :n].copy(),
+                        ts[b, :n].copy(), po[b, :n].copy(), k_unit[s0 : s0 + n],
+                        u_unit[s0 : s0 + n],
+                    )  # fmt: skip
+                    closed += self._buffer(uid, new)
+                except ValueError as e:
+                    # One user's inconsistent events must not stop the others' (nor ingest).
+                    log.warning("NoteBank: skipped %d events of user %r: %s", n, uid, e)
+            return self._write(closed)
 
     def _store(self, user_id: str, ua: UserArchive, written: list[Note]) -> None:
         ua.notes.extend(written)

@@ -131,6 +131,9 @@ class Piece:
     slots: torch.Tensor
     positions: np.ndarray
     """Each user's lifetime position before the piece."""
+    packed: bool = False
+    """Run by ``advance_packed``: the result's outputs and (k~, q~) are packed, one row per
+    event, user by user (``MemoryRecommender.advance_packed``)."""
     result: AdvanceResult | None = None
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -176,6 +179,8 @@ class Engine:
         self._dirty: dict[int, set[str]] = {}
         """Per partition: users whose state changed since :meth:`clear_dirty` (deltas)."""
         self.totals = EngineTotals()
+        self._names: np.ndarray | None = None
+        """The vocabulary's item ids as an array (``_item_ids``), made on first use."""
         self.seconds: dict[str, float] = dict.fromkeys(
             ("group", "gather", "advance", "scatter", "archive", "user_steps"), 0.0
         )
@@ -228,14 +233,17 @@ class Engine:
         return IngestPlan(batch, pieces, counts)
 
     def _pieces(self, lengths: np.ndarray) -> list[np.ndarray]:
-        """Row sets of the batch, one ``advance`` each: all rows at once, or (with
+        """Row sets of the batch, one ``advance`` each: all rows at once (always with the
+        packed step, ``packs``: it computes no padded cells), or (with
         ``state.length_buckets``) users grouped by power-of-two length so that padding stays
         below 2x the events; any set larger than the slab is cut into slab-sized pieces.
         Each set lists its users longest first.
         Buckets pay on the CPU path (padded steps cost as much as real ones); on the GPU they
         only add launches, so ``auto`` leaves them off there."""
         mode = self.cfg.state.length_buckets
-        if mode == "on" or (mode == "auto" and self.device.type == "cpu"):
+        if self.packs:
+            groups = [np.arange(len(lengths))]
+        elif mode == "on" or (mode == "auto" and self.device.type == "cpu"):
             bucket = np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
             groups = [np.nonzero(bucket == b)[0] for b in np.unique(bucket)[::-1]]
         else:
@@ -244,6 +252,14 @@ class Engine:
         groups = [g[np.argsort(-lengths[g], kind="stable")] for g in groups]
         cap = self.store.capacity
         return [g[i : i + cap] for g in groups for i in range(0, len(g), cap)]
+
+    @property
+    def packs(self) -> bool:
+        """Whether pieces run ``advance_packed`` (``state.packed_advance``: on, or auto on
+        the CPU, for a model with the uniform schedule in prefix order)."""
+        mode = self.cfg.state.packed_advance
+        on = mode == "on" or (mode == "auto" and self.device.type == "cpu")
+        return on and self.model.packs
 
     def begin(self, plan: IngestPlan, rows: np.ndarray) -> Piece:
         """Gather the piece's users (may move users between tiers): a private copy."""
@@ -263,6 +279,7 @@ class Engine:
             state=state,
             slots=slots,
             positions=state.pos.cpu().numpy(),
+            packed=self.packs,
         )
         self.seconds["gather"] += time.perf_counter() - t0
         return piece
@@ -273,7 +290,8 @@ class Engine:
         on another thread than the engine's owner."""
         t0 = time.perf_counter()
         dev = self.device
-        piece.result = self.model.advance(
+        advance = self.model.advance_packed if piece.packed else self.model.advance
+        piece.result = advance(
             torch.from_numpy(piece.items).to(dev),
             torch.from_numpy(piece.actions).to(dev),
             torch.from_numpy(piece.ts_ms).to(dev),
@@ -293,8 +311,9 @@ class Engine:
         assert res is not None and res.kq is not None, "compute the piece first"
         self.store.scatter(piece.slots, res.state)
         self.tails.observe(
-            piece.users, piece.items, piece.actions, piece.ts_ms, piece.lengths, res.kq[1]
-        )
+            piece.users, piece.items, piece.actions, piece.ts_ms, piece.lengths, res.kq[1],
+            packed=piece.packed,
+        )  # fmt: skip
         for user, part in zip(piece.users, piece.partitions):
             self._record(user, part)
             self._dirty.setdefault(part, set()).add(user)
@@ -302,7 +321,8 @@ class Engine:
         self.totals.events += int(piece.lengths.sum())
         self.seconds["advance"] += piece.seconds.get("advance", 0.0)
         self.seconds["scatter"] += time.perf_counter() - t0
-        self.seconds["user_steps"] += len(piece.users) * piece.items.shape[1]
+        cells = int(piece.lengths.sum()) if piece.packed else piece.items.size
+        self.seconds["user_steps"] += cells
 
     def commit_notes(self, piece: Piece) -> None:
         """The NoteBank's write path for the piece's events (positions continue after each
@@ -314,21 +334,26 @@ class Engine:
         assert res is not None and res.kq is not None
         T = piece.items.shape[1]
         event_pos = piece.positions[:, None] + np.arange(1, T + 1)[None, :]
-        item_ids = [
-            [self._item_id(int(i)) for i in piece.items[b, : piece.lengths[b]]]
-            for b in range(len(piece.users))
-        ]
+        item_ids = self._item_ids(piece.items, piece.lengths)
         self.bank.observe_batch(
             piece.users, piece.items, item_ids, piece.actions, piece.ts_ms, event_pos,
-            piece.lengths, res.kq[0], res.kq[1],
+            piece.lengths, res.kq[0], res.kq[1], packed=piece.packed,
         )  # fmt: skip
         piece.result = None  # the kq tensors are large; nothing needs them any more
         self.seconds["archive"] += time.perf_counter() - t0
 
-    def _item_id(self, index: int) -> str:
-        if index < self.vocab.n_items:
-            return self.vocab.item_ids[index]
-        return f"<oov:{index - self.vocab.n_items}>"
+    def _item_ids(self, items: np.ndarray, lengths: np.ndarray) -> list[list[str]]:
+        """The raw item id of each user's valid events in right-padded ``items`` [B, T]
+        (an out-of-vocabulary bucket as ``<oov:j>``)."""
+        if self._names is None:
+            self._names = np.array(self.vocab.item_ids, dtype=object)
+        n = self.vocab.n_items
+        flat = items[np.arange(items.shape[1])[None, :] < lengths[:, None]]
+        known = flat < n
+        names = np.empty(len(flat), dtype=object)
+        names[known] = self._names[flat[known]]
+        names[~known] = [f"<oov:{i - n}>" for i in flat[~known].tolist()]
+        return [part.tolist() for part in np.split(names, np.cumsum(lengths)[:-1])]
 
     def _record(self, user: str, partition: int) -> None:
         old = self.partition_of.get(user)

@@ -34,8 +34,10 @@ class RecentEvents:
         ts_ms: np.ndarray,
         lengths: np.ndarray,
         q_tilde: torch.Tensor,
+        packed: bool = False,
     ) -> None:
-        """New events of a step: [B, T] host arrays, ``lengths`` [B], q~ [B, T, L, H, K]."""
+        """New events of a step: [B, T] host arrays, ``lengths`` [B], q~ [B, T, L, H, K]
+        (``packed``: [N, L, H, K], one row per event, user by user)."""
         k = self.keep
         rows = [b for b in range(len(user_ids)) if lengths[b] > 0]
         if not rows:
@@ -43,9 +45,16 @@ class RecentEvents:
         # the q~ of each user's last <= keep new events, moved to the host in one copy
         T = items.shape[1]
         cols = np.arange(T - k, T)[None, :] + (lengths[rows][:, None] - T)
-        take = torch.as_tensor(np.clip(cols, 0, None), device=q_tilde.device)
-        b_idx = torch.as_tensor(rows, device=q_tilde.device)[:, None]
-        tail_q = q_tilde[b_idx, take].detach().to("cpu", torch.float32).numpy()
+        cols = np.clip(cols, 0, None)
+        if packed:
+            starts = np.cumsum(lengths) - lengths
+            flat = torch.as_tensor(starts[rows][:, None] + cols, device=q_tilde.device)
+            picked = q_tilde[flat]
+        else:
+            take = torch.as_tensor(cols, device=q_tilde.device)
+            b_idx = torch.as_tensor(rows, device=q_tilde.device)[:, None]
+            picked = q_tilde[b_idx, take]
+        tail_q = picked.detach().to("cpu", torch.float32).numpy()
         for j, b in enumerate(rows):
             user, n = user_ids[b], int(lengths[b])
             new = UserEvents(items[b, :n], actions[b, :n], ts_ms[b, :n])

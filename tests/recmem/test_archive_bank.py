@@ -388,3 +388,46 @@ def test_route_many_equals_routing_each_request_alone():
             ]
         else:
             assert routed == []
+
+
+def test_batched_chunk_close_equals_closing_chunks_one_at_a_time():
+    """The write path closes all chunks of a batch at once; the notes equal those of the
+    single-chunk functions (distinctiveness, select_spans, span_addresses) run per chunk."""
+    from recmem.archive.selection import distinctiveness, select_spans, span_addresses
+
+    cfg = small_cfg()
+    bank = NoteBank(cfg, key_dim=K, n_channels=CH, seed=0)
+    rng = np.random.default_rng(11)
+    users = [f"u{i}" for i in range(6)]
+    lens = np.array([3 * cfg.chunk_events + 5, cfg.chunk_events, 1, 2 * cfg.chunk_events, 7, 0])
+    T = int(lens.max())
+    items = rng.integers(0, 50, (6, T))
+    ts = np.cumsum(rng.integers(0, 2_000_000, (6, T)), axis=1)
+    pos = np.arange(1, T + 1)[None, :].repeat(6, 0)
+    k = rng.normal(size=(6, T, CH, K)).astype(np.float32)
+    q = rng.normal(size=(6, T, CH, K)).astype(np.float32)
+    ids = [[str(i) for i in items[b, : lens[b]]] for b in range(6)]
+    written = bank.observe_batch(users, items, ids, np.zeros_like(items), ts, pos, lens, k, q)
+    total = 0
+    for b, user in enumerate(users):
+        want = []
+        unit_k = l2_normalise(k[b]).astype(np.float16)
+        unit_u = l2_normalise(q[b][..., bank.coords]).astype(np.float16)
+        for c in range(lens[b] // cfg.chunk_events):
+            sl = slice(c * cfg.chunk_events, (c + 1) * cfg.chunk_events)
+            d = distinctiveness(unit_k[sl])
+            spans = select_spans(
+                d.sum(axis=1), ts[b, sl], window=cfg.window, n_spans=cfg.spans_per_chunk,
+                max_span=cfg.max_span, gap_ms=cfg.session_gap_s * 1000.0,
+            )  # fmt: skip
+            for a, e in spans:
+                rho = span_addresses(d, unit_u[sl], a, e)
+                want.append((items[b, sl][a:e].tolist(), pos[b, sl][a:e].tolist(), rho))
+        got = bank.notes(user)
+        assert [(n.items.tolist(), n.positions.tolist()) for n in got] == [w[:2] for w in want]
+        assert [n.serial for n in got] == list(range(len(want)))
+        for n, w in zip(got, want):
+            assert np.array_equal(n.addresses, w[2])
+        assert bank.pending_count(user) == lens[b] % cfg.chunk_events
+        total += len(want)
+    assert written == total > 0

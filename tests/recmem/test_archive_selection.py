@@ -9,8 +9,10 @@ from recmem.archive.selection import (
     l2_normalise,
     most_distinctive,
     select_spans,
+    select_spans_many,
     session_ids,
     span_addresses,
+    span_addresses_many,
 )
 
 
@@ -124,3 +126,44 @@ def test_span_address_is_projected_query_at_most_distinctive_event():
         assert t_star[c] == 2 + np.argmax(d[2:6, c])
         expected = u[t_star[c], c] / np.linalg.norm(u[t_star[c], c])
         np.testing.assert_allclose(rho[c], expected, rtol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 12),
+    st.integers(1, 40),
+    st.integers(0, 2**31),
+    st.integers(1, 6),
+    st.integers(1, 4),
+    st.integers(1, 9),
+    st.booleans(),
+)
+def test_select_spans_many_equals_select_spans_per_chunk(
+    m, n, seed, window, n_spans, max_span, ties
+):
+    """The batched span choice (the NoteBank's write path) against its plain twin."""
+    rng = np.random.default_rng(seed)
+    scores = rng.random((m, n)).astype(np.float32)
+    if ties:  # few distinct values: ties everywhere, the earliest must win in both
+        scores = np.round(scores * 3) / 3
+    ts = np.cumsum(rng.integers(0, 5000, (m, n)), axis=1)
+    for gap in (0.0, 2500.0):
+        kw = dict(window=window, n_spans=n_spans, max_span=max_span, gap_ms=gap)
+        many = select_spans_many(scores, ts, **kw)
+        assert many == [select_spans(scores[i], ts[i], **kw) for i in range(m)]
+
+
+def test_batched_distinctiveness_and_addresses_equal_the_per_chunk_ones():
+    rng = np.random.default_rng(5)
+    k = l2_normalise(rng.normal(size=(7, 32, 4, 16))).astype(np.float16)
+    k[2, 5] = 0.0  # a zero key: d = 0
+    k[4, :, 1, 8:] = 0.0  # rows locked by the schedule
+    u = l2_normalise(rng.normal(size=(7, 32, 4, 8))).astype(np.float16)
+    d = distinctiveness(k)
+    for i in range(7):
+        assert np.array_equal(d[i], distinctiveness(k[i]))
+    chunk = np.array([0, 0, 3, 6, 6])
+    start, end = np.array([0, 9, 4, 30, 0]), np.array([8, 10, 12, 32, 32])
+    rho = span_addresses_many(d, u, chunk, start, end)
+    for j in range(5):
+        assert np.array_equal(rho[j], span_addresses(d[chunk[j]], u[chunk[j]], start[j], end[j]))

@@ -167,8 +167,13 @@ class RecordingBank:
     def __init__(self):
         self.calls = []
 
-    def observe_batch(self, user_ids, items, item_ids, actions, ts_ms, positions, lengths, k, q):
-        self.calls.append((list(user_ids), lengths.copy(), k.shape, positions.copy(), item_ids))
+    def observe_batch(
+        self, user_ids, items, item_ids, actions, ts_ms, positions, lengths, k, q, packed=False
+    ):
+        shape = k.shape if not packed else (len(user_ids), int(lengths.max()), *k.shape[1:])
+        if packed:
+            assert k.shape[0] == q.shape[0] == int(lengths.sum())
+        self.calls.append((list(user_ids), lengths.copy(), shape, positions.copy(), item_ids))
 
 
 def test_notes_get_kq_and_lifetime_positions(tmp_path):
@@ -209,6 +214,7 @@ def test_bursts_run_in_aligned_chunks_and_equal_the_recurrent_path(tmp_path, mon
     monkeypatch.setitem(ops.BACKENDS, "chunk_aligned", counted)
     cfg = small_config()
     cfg.memory.horizon = 64  # Delta 16: aligned chunks of 16 events
+    cfg.state.packed_advance = "off"  # the per-bucket path's choice of scan
     engine = make_engine(tmp_path, cfg=cfg)
     rng = np.random.default_rng(3)
     events, batches = [], []

@@ -1,0 +1,114 @@
+"""The packed scan (CPU ingest: ``advance_packed``) equals the reference on the padded
+batch, with users of every length, across Proteus unlocks; and ``advance_packed`` equals
+``advance``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.config import MemoryConfig, ModelConfig
+from models.memory.chunk_aligned import aligned_chunk_size
+from models.memory.naive import memory_scan_reference
+from models.memory.packed import PACKED_CHUNK_MIN_EVENTS, memory_scan_packed, packed_groups
+from models.recommender import MemoryRecommender
+from tests.models.test_memory import make_inputs
+
+TIGHT = dict(rtol=1e-10, atol=1e-10)
+
+
+def pack(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Right-padded [B, T, ...] -> [N, ...], the valid events user by user."""
+    T = x.shape[1]
+    return x[torch.arange(T)[None, :] < lengths[:, None]]
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+@pytest.mark.parametrize(
+    "K, E, N, chunk", [(8, 4, 64, 16), (10, 3, 30, 16), (8, 4, 8, 16), (8, 2, 40, 6)]
+)
+def test_packed_scan_equals_the_reference(momentum, K, E, N, chunk):
+    B, T, H, V = 9, 45, 2, 5
+    inp = make_inputs(B, T, H, K, V, momentum=momentum, max_pos=3 * N)
+    # every kind of user: none, 1-3 events (recurrent), a few, a chunk, many
+    inp["lengths"] = torch.tensor([45, 0, 1, 3, 4, 16, 17, 2, 31])
+    inp["theta"][0, 5] = 0.0  # gates at 0 and 1
+    inp["alpha"][6, 2] = 1.0
+    kw = dict(n_blocks=E, horizon=N, qk_l2norm=True)
+    y_ref, S_ref, M_ref = memory_scan_reference(**inp, **kw)
+    lengths = inp["lengths"]
+    packed = {n: pack(inp[n], lengths) for n in ("q", "k", "v", "theta", "alpha")}
+    packed["eta"] = None if inp["eta"] is None else pack(inp["eta"], lengths)
+    y, S, M = memory_scan_packed(
+        **packed, S0=inp["S0"], M0=inp["M0"], pos0=inp["pos0"], lengths=lengths,
+        chunk_size=chunk, **kw,
+    )  # fmt: skip
+    torch.testing.assert_close(y, pack(y_ref, lengths), **TIGHT)
+    torch.testing.assert_close(S, S_ref, **TIGHT)
+    if momentum:
+        torch.testing.assert_close(M, M_ref, **TIGHT)
+    assert torch.equal(S[1], inp["S0"][1])  # no events: the state keeps its bits
+    for name in ("q", "S0"):
+        assert inp[name].data_ptr() != S.data_ptr()
+
+
+def test_groups_split_short_users_off_and_need_a_wide_chunk():
+    lengths = torch.tensor([40, 16, 4, 3, 1, 0])
+    groups = dict(packed_groups(lengths, aligned_chunk_size(16, 16, 256)))
+    assert groups["chunk_aligned"].tolist() == [0, 1, 2]
+    assert groups["recurrent"].tolist() == [3, 4]
+    assert PACKED_CHUNK_MIN_EVENTS == 4
+    ones = dict(packed_groups(torch.ones(50, dtype=torch.int64), 16))
+    assert list(ones) == ["recurrent"]  # one event each: one step, no chunks of 16 slots
+    narrow = dict(packed_groups(lengths, 2))  # aligned chunk too narrow: all recurrent
+    assert list(narrow) == ["recurrent"] and len(narrow["recurrent"]) == 5
+
+
+@pytest.mark.parametrize("hybrid", ["none", "mac"])
+def test_advance_packed_equals_advance(hybrid):
+    torch.manual_seed(0)
+    mem = MemoryConfig(key_dim=8, value_dim=8, n_blocks=4, horizon=32)
+    model_cfg = ModelConfig(embed_dim=16, hybrid=hybrid, window=6)
+    m = MemoryRecommender(30, 4, mem, model_cfg).double().eval()
+    B = 12
+    lengths = torch.tensor([70, 40, 33, 17, 16, 9, 5, 4, 3, 2, 1, 1])
+    T = int(lengths.max())
+    items = torch.randint(0, 34, (B, T))
+    actions = torch.randint(0, 3, (B, T))
+    ts = 10**12 + torch.cumsum(torch.randint(0, 10**7, (B, T)), 1)
+    state = m.init_state(B, "cpu")
+    state.pos = torch.randint(0, 90, (B,))
+    state.S.normal_()
+    assert state.M is not None
+    state.M.normal_()
+    state.last_ts = ts[:, 0] - 5
+    assert m.packs
+    with torch.no_grad():
+        a = m.advance(items, actions, ts, lengths, state, return_kq=True)
+        b = m.advance_packed(items, actions, ts, lengths, state, return_kq=True)
+    assert a.kq is not None and b.kq is not None
+    for name, x in b.state.to_fields().items():
+        want = a.state.to_fields()[name]
+        if x is None or not x.is_floating_point():
+            assert (x is None and want is None) or torch.equal(x, want), name
+        else:
+            torch.testing.assert_close(x, want, **TIGHT)
+    torch.testing.assert_close(b.outputs, pack(a.outputs, lengths), **TIGHT)
+    torch.testing.assert_close(b.kq[0], pack(a.kq[0], lengths), **TIGHT)
+    torch.testing.assert_close(b.kq[1], pack(a.kq[1], lengths), **TIGHT)
+
+
+def test_advance_packed_needs_the_uniform_prefix_schedule():
+    m = MemoryRecommender(
+        10, 2, MemoryConfig(key_dim=8, value_dim=8, unlock="surprise"), ModelConfig(embed_dim=16)
+    )
+    assert not m.packs
+    m2 = MemoryRecommender(
+        10, 2, MemoryConfig(key_dim=8, value_dim=8, backend="recurrent"), ModelConfig(embed_dim=16)
+    )
+    assert not m2.packs
+    with pytest.raises(ValueError, match="uniform schedule"):
+        m.advance_packed(
+            torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+            torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), m.init_state(1, "cpu"),
+        )  # fmt: skip
