@@ -145,13 +145,21 @@ def test_from_runs_combines_without_training(tmp_path: Path) -> None:
     assert main(["eval", "--from-runs", runs, "--seeds", "0,1", "--out", str(out)]) == 2
 
 
-@pytest.mark.usefixtures("probe_models")
-def test_from_runs_merges_one_run_per_seed(tmp_path: Path) -> None:
+def seed_runs(tmp_path: Path) -> list[str]:
+    """pop and noisy-pop evaluated in tmp_path/s0 (seed 0) and tmp_path/s1 (seed 1); returns
+    the `recmem eval` arguments before --models (dataset and cache)."""
     dataset = write_long_history_csv(tmp_path / "events.csv")
     base = ["eval", "--dataset", dataset, "--set", f"data.cache_dir={tmp_path / 'cache'}"]
     models = ["--models", "pop,noisy-pop"]
     assert main([*base, *models, "--out", str(tmp_path / "s0")]) == 0
     assert main([*base, *models, "--set", "train.seed=1", "--out", str(tmp_path / "s1")]) == 0
+    return base
+
+
+@pytest.mark.usefixtures("probe_models")
+def test_from_runs_merges_one_run_per_seed(tmp_path: Path) -> None:
+    base = seed_runs(tmp_path)
+    models = ["--models", "pop,noisy-pop"]
     assert main([*base, *models, "--seeds", "0,1", "--out", str(tmp_path / "both")]) == 0
     out = tmp_path / "merged"
     runs = f"{tmp_path / 's0'},{tmp_path / 's1'}"
@@ -181,11 +189,7 @@ def test_from_runs_merges_one_run_per_seed(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("probe_models")
 def test_from_runs_recovers_a_stopped_run_from_its_ranks_files(tmp_path: Path) -> None:
-    dataset = write_long_history_csv(tmp_path / "events.csv")
-    base = ["eval", "--dataset", dataset, "--set", f"data.cache_dir={tmp_path / 'cache'}"]
-    models = ["--models", "pop,noisy-pop"]
-    assert main([*base, *models, "--out", str(tmp_path / "s0")]) == 0
-    assert main([*base, *models, "--set", "train.seed=1", "--out", str(tmp_path / "s1")]) == 0
+    seed_runs(tmp_path)
     assert main(["eval", "--from-runs", f"{tmp_path / 's0'},{tmp_path / 's1'}",
                  "--out", str(tmp_path / "whole")]) == 0  # fmt: skip
     # s1 stopped before its summary, and its worker's ranks are one folder down
