@@ -160,7 +160,7 @@ class RankClient:
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(self._route(r.user_id), []).append(i)
-        results: list[rank_pb2.RankBatchResult | None] = [None] * len(requests)
+        results = [rank_pb2.RankBatchResult() for _ in requests]  # each filled below
         again: list[int] = []
         for address, idx in groups.items():
             for lo in range(0, len(idx), per_call):
@@ -191,7 +191,7 @@ class RankClient:
                 results[i] = rank_pb2.RankBatchResult(
                     code=_code(e).value[0], message=e.details() if hasattr(e, "details") else ""
                 )
-        return [r for r in results if r is not None]
+        return results
 
     def inspect(self, user_id: str, timeout: float | None = None) -> rank_pb2.InspectUserResponse:
         return self.call(  # type: ignore[no-any-return]
