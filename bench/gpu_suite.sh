@@ -24,6 +24,11 @@
 #   proteus  issue 12, Proteus schedules, 3 seeds: static, surprise, drift, narrow, random
 #            block order on ML-1M (uniform is the notebank plan's base), and with uniform
 #            and reverse order on ML-100K
+#   reg      the regularisation grid of the default recipe, seed 0: dropout 0.2 and 0.3,
+#            weight decay 0.1, a slower learning-rate decay (decay_patience 4) and dropout 0.2
+#            with it, on synthetic, ML-100K and ML-1M (the default too on ML-100K)
+#   regseeds seeds 1 and 2 of RECIPE (the grid's pick) on ML-1M, ML-100K and synthetic, and
+#            seed 0 on completejourney (COMPLETE=1)
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -129,6 +134,32 @@ plan_smoke() {  # the CUDA paths and training speed, before a long plan
 
 plan_seeds02() {  # ML-1M seeds 0 and 2 of the default model again (out of memory in "final")
   run_eval ml-1m-seeds02 ml-1m 2 "$MAC" --seeds 0,2 --set train.max_seconds="${MAX_S:-780}"
+}
+
+REG=(
+  "memory-proteus[model.dropout=0.2]"
+  "memory-proteus[model.dropout=0.3]"
+  "memory-proteus[train.weight_decay=0.1]"
+  "memory-proteus[train.decay_patience=4]"
+  "memory-proteus[model.dropout=0.2;train.decay_patience=4]"
+)
+
+plan_reg() {  # the recipe's regularisation, seed 0 (ML-1M's default is in the final plan)
+  local cap=(--set train.max_seconds="${MAX_S:-600}") grid
+  grid=$(IFS=,; echo "${REG[*]}")
+  run_eval reg-ml-1m ml-1m 5 "$grid" "${cap[@]}"
+  run_eval reg-ml-100k ml-100k 6 "$MAC,$grid" "${cap[@]}"
+  run_eval reg-synthetic synthetic 5 "$grid" "${cap[@]}"
+}
+
+plan_regseeds() {  # RECIPE (a model spec) with seeds 1 and 2; completejourney seed 0
+  local cap=(--set train.max_seconds="${MAX_S:-600}") m=${RECIPE:?RECIPE}
+  run_eval regseeds-ml-1m ml-1m 2 "$m" --seeds 1,2 "${cap[@]}"
+  run_eval regseeds-ml-100k ml-100k 2 "$m" --seeds 1,2 "${cap[@]}"
+  run_eval regseeds-synthetic synthetic 2 "$m" --seeds 1,2 "${cap[@]}"
+  if [ "${COMPLETE:-0}" = 1 ]; then
+    run_eval regseeds-completejourney completejourney 1 "$m" "${cap[@]}"
+  fi
 }
 
 plan_final() {
