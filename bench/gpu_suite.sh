@@ -27,8 +27,9 @@
 #   reg      the regularisation grid of the default recipe, seed 0: dropout 0.2 and 0.3,
 #            weight decay 0.1, a slower learning-rate decay (decay_patience 4) and dropout 0.2
 #            with it, on synthetic, ML-100K and ML-1M (the default too on ML-100K)
-#   regseeds seeds 1 and 2 of RECIPE (the grid's pick) on ML-1M, ML-100K and synthetic, and
-#            seed 0 on completejourney (COMPLETE=1)
+#   recipe   the suite again after the grid's pick became the default recipe: the memory
+#            model with 3 seeds and SASRec with seed 0 on ML-1M, ML-100K and synthetic, the
+#            memory model on completejourney (pop does not train: the final plan's stands)
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -152,14 +153,13 @@ plan_reg() {  # the recipe's regularisation, seed 0 (ML-1M's default is in the f
   run_eval reg-synthetic synthetic 5 "$grid" "${cap[@]}"
 }
 
-plan_regseeds() {  # RECIPE (a model spec) with seeds 1 and 2; completejourney seed 0
-  local cap=(--set train.max_seconds="${MAX_S:-600}") m=${RECIPE:?RECIPE}
-  run_eval regseeds-ml-1m ml-1m 2 "$m" --seeds 1,2 "${cap[@]}"
-  run_eval regseeds-ml-100k ml-100k 2 "$m" --seeds 1,2 "${cap[@]}"
-  run_eval regseeds-synthetic synthetic 2 "$m" --seeds 1,2 "${cap[@]}"
-  if [ "${COMPLETE:-0}" = 1 ]; then
-    run_eval regseeds-completejourney completejourney 1 "$m" "${cap[@]}"
-  fi
+plan_recipe() {  # the default recipe (after the grid), every trained model of the suite
+  local cap=(--set train.max_seconds="${MAX_S:-600}") d
+  for d in ml-1m ml-100k synthetic; do
+    run_eval "recipe-$d-mem" "$d" 3 "$MAC" --seeds 0,1,2 "${cap[@]}"
+    run_eval "recipe-$d-sasrec" "$d" 1 sasrec "${cap[@]}"
+  done
+  run_eval recipe-completejourney-mem completejourney 1 "$MAC" "${cap[@]}"
 }
 
 plan_final() {

@@ -79,8 +79,9 @@ class ModelConfig:
     """Hashed out-of-vocabulary buckets for items unknown to the model."""
     n_time_buckets: int = 16
     """Buckets of log time gap since the user's previous event."""
-    dropout: float = 0.1
-    """Dropout on embeddings and layer outputs during training."""
+    dropout: float = 0.2
+    """Dropout on embeddings and layer outputs during training (0.2: chosen on the dataset
+    suite's VALID, reports/suite/README.md)."""
     ffn_mult: int = 2
     """Feed-forward width multiplier in each layer (0 disables the feed-forward block)."""
     hybrid: str = "mac"
@@ -135,8 +136,9 @@ class TrainConfig:
     lr_decay: float = 0.3
     """On a plateau (``decay_patience`` validations without a VALID improvement) the
     learning rate is multiplied by this."""
-    decay_patience: int = 2
-    """Validations without improvement before the learning rate decays (0 = never)."""
+    decay_patience: int = 4
+    """Validations without improvement before the learning rate decays (0 = never; 4: chosen
+    on the dataset suite's VALID, reports/suite/README.md)."""
     loss: str = "full"
     """full: full-softmax cross-entropy over the catalog; sampled: sampled softmax."""
     n_negatives: int = 1024
