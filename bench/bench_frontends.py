@@ -3,7 +3,7 @@ the same engine in the same run.
 
     .venv/bin/python bench/bench_frontends.py [--frontends 0,2] [--concurrency 8,32]
         [--replay 0,2] [--seconds 3] [--rounds 2] [--users N] [--events N] [--items N]
-        [--set section.field=value ...] [--json PATH]
+        [--client-procs N] [--set section.field=value ...] [--json PATH]
 
 A server process builds the memory engine of ``bench/bench_rank.py`` (default model shape,
 freshly initialised, 256 users with Zipf histories ingested through ``Engine.apply``),
@@ -110,6 +110,9 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=3706)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU: 1)")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="spread each cell's clients over this many processes (a many-core "
+                         "host: independent clients, no shared GIL)")  # fmt: skip
     ap.add_argument("--set", action="append", default=[], metavar="section.field=value")
     ap.add_argument("--json", default="", help="output file")
     args = ap.parse_args()
@@ -134,7 +137,8 @@ def main() -> None:
                             parent.send("counts")
                             before = parent.recv()
                             cell = run_cell(info["ports"][n], c, "cand100", replay, args.seconds,
-                                            args.users, args.items, seed=c)  # fmt: skip
+                                            args.users, args.items, seed=c,
+                                            procs=args.client_procs)  # fmt: skip
                             parent.send("counts")
                             after = parent.recv()
                             batches = after["batches"] - before["batches"]

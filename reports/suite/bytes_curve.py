@@ -1,5 +1,5 @@
 """Quality vs resident bytes per user on ML-1M (issue 10 item 6): reads
-reports/suite/ml-1m/summary.json, writes bytes_curve.png and bytes_curve.json beside it.
+reports/suite/recipe0/ml-1m/summary.json, writes bytes_curve.png and bytes_curve.json beside it.
 Run: .venv/bin/python reports/suite/bytes_curve.py"""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from models.config import MemoryConfig, ModelConfig  # noqa: E402
 from recmem.state_store import StateLayout  # noqa: E402
 
-HERE = Path(__file__).parent / "ml-1m"
+HERE = Path(__file__).parent / "recipe0" / "ml-1m"
 POINTS = {  # model label in summary.json -> memory overrides
     "memory-proteus[memory.n_heads=4;memory.key_dim=16;memory.value_dim=16]": (4, 16),
     "memory-proteus": (2, 32),
