@@ -173,3 +173,117 @@ class GraphedReplay:
         with self._lock, torch.inference_mode():
             self.calls["graph"] += 1
             return self._get(Bp, Tp, state)(items, actions, ts_ms, lengths, state)
+
+
+class _CapturedReadout:
+    """Static inputs, the graph (None when not capturing) and the output of the read-out
+    (``model.read_user``) for B users."""
+
+    def __init__(self, model: Any, B: int, like: MemoryState, capture: bool, pool: Any) -> None:
+        dev = like.h.device
+        self.state = like.map(lambda t: torch.zeros(B, *t.shape[1:], dtype=t.dtype, device=dev))
+        self.request_ts = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.mem = torch.zeros_like(self.state.h)
+        self.replayed = torch.zeros_like(self.state.h)
+        self.replayed_ok = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.model = model
+        self.graph: Any = None
+        if not capture:
+            self.out = self.state.h
+            return
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph
+                self._run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            self.out = self._run()
+
+    def _run(self) -> torch.Tensor:
+        return self.model.read_user(
+            self.state, self.request_ts, mem=self.mem, replayed=self.replayed,
+            replayed_ok=self.replayed_ok,
+        )  # fmt: skip
+
+    def __call__(
+        self,
+        state: MemoryState,
+        request_ts: torch.Tensor,
+        mem: torch.Tensor,
+        replayed: torch.Tensor,
+        replayed_ok: torch.Tensor,
+    ) -> torch.Tensor:
+        B = state.h.shape[0]
+        static = self.state.to_fields()
+        for name, x in state.to_fields().items():
+            buf = static[name]
+            buf[B:].zero_()  # padding rows read a zero state (rows are independent)
+            buf[:B].copy_(x)
+        for buf, x in (
+            (self.request_ts, request_ts), (self.mem, mem), (self.replayed, replayed),
+            (self.replayed_ok, replayed_ok),
+        ):  # fmt: skip
+            buf[B:].zero_()
+            buf[:B].copy_(x)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.out = self._run()
+        return self.out[:B].clone()
+
+
+class GraphedReadout:
+    """``model.read_user`` (the head over the memory read-out, the window and the request
+    time: a hundred small kernels for a batch of users) through CUDA graphs captured per
+    padded user count (powers of two up to ``max_batch``), as :class:`GraphedReplay` does for
+    the replay pass. Calls with more users, or with the torchrec KJT lookup, run eagerly;
+    ``capture=False`` runs the padded static-buffer path eagerly (the tests' CPU check).
+    Calls are serialised (one memory pool, shared buffers)."""
+
+    def __init__(self, model: Any, max_batch: int = 64, capture: bool | None = None) -> None:
+        self.model = model
+        sizes = [1]
+        while sizes[-1] < max_batch:
+            sizes.append(sizes[-1] * 2)
+        self.batch_buckets = tuple(sizes)
+        self.device = next(model.parameters()).device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self._shapes: dict[int, _CapturedReadout] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._lock = threading.Lock()
+        self.calls = {"graph": 0, "eager": 0}
+
+    def capture_all(self, like: MemoryState) -> int:
+        """Capture every user count for states shaped like ``like``; returns how many."""
+        for B in self.batch_buckets:
+            self._get(B, like)
+        return len(self._shapes)
+
+    def _get(self, B: int, like: MemoryState) -> _CapturedReadout:
+        got = self._shapes.get(B)
+        if got is None:
+            with torch.inference_mode():
+                got = _CapturedReadout(self.model, B, like, self.capture, self._pool)
+            self._shapes[B] = got
+        return got
+
+    def __call__(
+        self,
+        state: MemoryState,
+        request_ts: torch.Tensor,
+        mem: torch.Tensor,
+        replayed: torch.Tensor,
+        replayed_ok: torch.Tensor,
+    ) -> torch.Tensor:
+        B = state.h.shape[0]
+        Bp = _bucket(B, self.batch_buckets)
+        if Bp is None or getattr(self.model, "use_kjt", False):
+            self.calls["eager"] += 1
+            return self.model.read_user(
+                state, request_ts, mem=mem, replayed=replayed, replayed_ok=replayed_ok
+            )
+        with self._lock, torch.inference_mode():
+            self.calls["graph"] += 1
+            return self._get(Bp, state)(state, request_ts, mem, replayed, replayed_ok)

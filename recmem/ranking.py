@@ -40,7 +40,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from models.graphs import GraphedReplay
+from models.graphs import GraphedReadout, GraphedReplay
 from models.recommender import MemoryRecommender
 from models.state import MemoryState
 from recmem.archive.routing import ROUTINGS, overlap_weights
@@ -280,6 +280,9 @@ class Ranker:
         self.graphs = GraphedReplay(model, max_batch) if graphs else None
         """The replay pass under CUDA graphs (``cuda_graphs`` on a CUDA device), else None
         (also under an adaptive unlock schedule, whose pieces are cut on the host)."""
+        self.readouts = GraphedReadout(model, max_batch) if graphs else None
+        """The read-out (``model.read_user``: the head over memory, window and request time)
+        under CUDA graphs, with the same switch, else None."""
         pop = np.zeros(model.n_items, np.float32) if popularity is None else popularity
         self.popularity = np.asarray(pop, np.float32)
         self._by_popularity = np.argsort(-self.popularity, kind="stable")
@@ -311,9 +314,15 @@ class Ranker:
             n = self.graphs.capture_all(like)
         except Exception:  # noqa: BLE001 - a driver or op that cannot be captured: run eagerly
             log.exception("capturing the replay pass in CUDA graphs failed; replays run eagerly")
-            self.graphs = None
+            self.graphs = self.readouts = None
             return 0
-        log.info("replay graphs: %d shapes captured in %.1f s", n, time.perf_counter() - began)
+        if self.readouts is not None:
+            try:
+                n += self.readouts.capture_all(like)
+            except Exception:  # noqa: BLE001 - as above: the read-out then runs eagerly
+                log.exception("capturing the read-out in CUDA graphs failed; it runs eagerly")
+                self.readouts = None
+        log.info("rank graphs: %d shapes captured in %.1f s", n, time.perf_counter() - began)
         return n
 
     def _replay(
@@ -424,9 +433,13 @@ class Ranker:
         did_replay = torch.as_tensor(
             [bool(notes[i]) or i in hits for i in range(len(queries))], device=self.device
         )
-        vectors = self.model.read_user(
-            state, self._request_ts(queries), mem=live, replayed=replayed, replayed_ok=did_replay
-        )
+        request_ts = self._request_ts(queries)
+        if self.readouts is not None:
+            vectors = self.readouts(state, request_ts, live, replayed, did_replay)
+        else:
+            vectors = self.model.read_user(
+                state, request_ts, mem=live, replayed=replayed, replayed_ok=did_replay
+            )
         self._lap("replay", clock)
         return UserVectors(
             vectors=vectors,
