@@ -30,6 +30,30 @@ def client_settings(cfg: KafkaConfig) -> dict[str, Any]:
     return settings
 
 
+def librdkafka_settings(cfg: KafkaConfig) -> dict[str, object]:
+    """librdkafka properties for the bootstrap servers and security settings (the twin of
+    ``streams.admin.client_settings``)."""
+    settings: dict[str, object] = {
+        "bootstrap.servers": ",".join(
+            s.strip() for s in cfg.bootstrap_servers.split(",") if s.strip()
+        ),
+        "security.protocol": cfg.security_protocol,
+    }
+    if cfg.security_protocol.startswith("SASL"):
+        settings["sasl.mechanism"] = cfg.sasl_mechanism or "PLAIN"
+        settings["sasl.username"] = cfg.sasl_username
+        settings["sasl.password"] = cfg.sasl_password
+    if cfg.security_protocol.endswith("SSL"):
+        for key, prop in (
+            ("ssl_cafile", "ssl.ca.location"),
+            ("ssl_certfile", "ssl.certificate.location"),
+            ("ssl_keyfile", "ssl.key.location"),
+        ):
+            if getattr(cfg, key):
+                settings[prop] = getattr(cfg, key)
+    return settings
+
+
 def ensure_topics(cfg: KafkaConfig, partitions: dict[str, int], timeout_s: float = 10.0) -> None:
     """Create each missing topic with the given partition count (existing ones are left as
     they are: the partition count of a topic cannot be changed on every broker)."""
