@@ -126,7 +126,16 @@ class ConfluentEventConsumer(BaseConsumer):
     def _poll(self) -> dict[int, list[RawRecord]]:
         assert self._consumer is not None
         cfg = self.cfg
-        messages = self._consumer.consume(cfg.max_poll_records, cfg.max_wait_ms / 1000)
+        # what is there now, else wait for the first record (kafka-python's poll does the
+        # same); consume() with a timeout would wait for a full batch, also at the end
+        messages = self._consumer.consume(cfg.max_poll_records, 0)
+        if not messages:
+            first = self._consumer.poll(cfg.max_wait_ms / 1000)
+            if first is None:
+                return {}
+            messages = [first]
+            if cfg.max_poll_records > 1:
+                messages += self._consumer.consume(cfg.max_poll_records - 1, 0)
         out: dict[int, list[RawRecord]] = {}
         for m in messages:
             error = m.error()
