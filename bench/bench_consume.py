@@ -1,21 +1,27 @@
-"""Consume rates on the embedded broker: the raw kafka-python client against EventConsumer
-(group member, decode, validate, batch hand-over) feeding a sink that does nothing.
+"""Consume rates on the embedded broker, both Kafka clients in one run: each raw client
+(kafka-python's KafkaConsumer, librdkafka's confluent_kafka.Consumer; assigned every
+partition, no group, records counted and their values taken, nothing decoded, timed from
+the first record) against the
+recmem consumer built on it (``kafka.client`` = kafka-python: EventConsumer, = confluent:
+ConfluentEventConsumer; group member, decode, validate, batch hand-over) feeding a sink that
+does nothing.
 
-The gap between the two is what the streams layer costs; the engine's end-to-end rate is
-measured against the same raw figure (issue 4: end-to-end >= 50% of the raw client rate).
+The gap between a raw client and its consumer is what the streams layer costs; the engine's
+end-to-end rate is measured against the raw kafka-python figure (issue 4: end-to-end >= 50%
+of the raw client rate). ``--rounds N`` repeats the four measurements N times in turn
+(the machine's other load moves every figure; the JSON keeps each round and the medians).
 
-    .venv/bin/python bench/bench_consume.py [--events 200000] [--partitions 4]
+    .venv/bin/python bench/bench_consume.py [--events 200000] [--partitions 4] [--rounds 3]
 
-writes bench/results/consume_<machine>.json.
+writes bench/results/consume_<machine>.json (``--out`` to choose).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
+import shlex
+import statistics
 import sys
 import threading
 import time
@@ -23,16 +29,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import confluent_kafka  # noqa: E402
+import kafka  # noqa: E402
+from benchinfo import git_commit, machine, write_result  # noqa: E402
+from confluent_kafka import OFFSET_BEGINNING, Consumer  # noqa: E402
+from confluent_kafka import TopicPartition as ConfluentPartition  # noqa: E402
 from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 
 from recmem.config import KafkaConfig  # noqa: E402
-from streams.admin import ensure_topics  # noqa: E402
+from streams.admin import client_settings, ensure_topics, librdkafka_settings  # noqa: E402
 from streams.broker import EmbeddedBroker  # noqa: E402
+from streams.clients import make_consumer  # noqa: E402
 from streams.codec import make_event  # noqa: E402
-from streams.consumer import EventConsumer  # noqa: E402
 from streams.producer import EventProducer  # noqa: E402
 from streams.validate import ValidEvent  # noqa: E402
+
+CLIENTS = ("kafka-python", "confluent")
 
 
 class NullSink:
@@ -48,7 +62,9 @@ class NullSink:
     def on_revoked(self, partitions: list[int]) -> None:
         pass
 
-    def apply_batch(self, events: list[ValidEvent], next_offsets: dict[int, int]) -> None:
+    def apply_batch(
+        self, events: list[ValidEvent], next_offsets: dict[int, int], source: object = None
+    ) -> None:
         self.events += len(events)
         self.offsets.update(next_offsets)
 
@@ -59,18 +75,35 @@ class NullSink:
         return dict(self.offsets)
 
 
-def raw_rate(cfg: KafkaConfig, n: int) -> float:
+def raw_kafka_python(cfg: KafkaConfig, n: int) -> float:
     consumer = KafkaConsumer(
-        bootstrap_servers=cfg.bootstrap_servers,
-        auto_offset_reset="earliest",
-        max_poll_records=cfg.max_poll_records,
+        auto_offset_reset="earliest", max_poll_records=cfg.max_poll_records, **client_settings(cfg)
     )
     consumer.assign([TopicPartition(cfg.topic, p) for p in range(cfg.partitions)])
-    seen = 0
-    start = time.perf_counter()
+    seen, start = 0, 0.0
     while seen < n:
-        for records in consumer.poll(timeout_ms=500).values():
-            seen += len(records)
+        for records in consumer.poll(timeout_ms=50).values():
+            start = start or time.perf_counter()
+            seen += sum(1 for r in records if r.value is not None)
+    elapsed = time.perf_counter() - start
+    consumer.close()
+    return seen / elapsed
+
+
+def raw_confluent(cfg: KafkaConfig, n: int) -> float:
+    consumer = Consumer(
+        {**librdkafka_settings(cfg), "group.id": "bench-raw", "enable.auto.commit": False}
+    )
+    consumer.assign(
+        [ConfluentPartition(cfg.topic, p, OFFSET_BEGINNING) for p in range(cfg.partitions)]
+    )
+    seen, start = 0, 0.0
+    while seen < n:
+        # a short timeout: consume() waits for a full batch or the timeout, also at the end
+        for m in consumer.consume(cfg.max_poll_records, 0.01):
+            start = start or time.perf_counter()
+            if m.error() is None and m.value() is not None:
+                seen += 1
     elapsed = time.perf_counter() - start
     consumer.close()
     return seen / elapsed
@@ -79,7 +112,7 @@ def raw_rate(cfg: KafkaConfig, n: int) -> float:
 def streams_rate(cfg: KafkaConfig, n: int) -> tuple[float, float]:
     """(events/s from the first batch to the last, seconds to join the group)."""
     sink = NullSink()
-    consumer = EventConsumer(cfg, sink)
+    consumer = make_consumer(cfg, sink)
     thread = threading.Thread(target=consumer.run, daemon=True)
     t0 = time.perf_counter()
     thread.start()
@@ -95,11 +128,27 @@ def streams_rate(cfg: KafkaConfig, n: int) -> tuple[float, float]:
     return (n - first_count) / elapsed, first - t0
 
 
+def one_round(cfg: KafkaConfig, n: int, k: int) -> dict[str, float]:
+    out: dict[str, float] = {
+        "raw_kafka_python_events_per_s": raw_kafka_python(cfg, n),
+        "raw_confluent_events_per_s": raw_confluent(cfg, n),
+    }
+    for client in CLIENTS:
+        name = client.replace("-", "_")
+        run = KafkaConfig(**{**vars(cfg), "client": client, "group_id": f"bench-{name}-{k}"})
+        rate, join_s = streams_rate(run, n)
+        out[f"{name}_consumer_null_sink_events_per_s"] = rate
+        out[f"{name}_group_join_s"] = join_s
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--users", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     with EmbeddedBroker() as broker:
         cfg = KafkaConfig(
@@ -124,28 +173,43 @@ def main() -> None:
         with EventProducer(cfg) as producer:
             producer.send(events, total=args.events, progress=False)
         produce = args.events / (time.perf_counter() - t)
-        raw = raw_rate(cfg, args.events)
-        ours, join_s = streams_rate(cfg, args.events)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+        rounds = [one_round(cfg, args.events, k) for k in range(args.rounds)]
+    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    kp, cf = "kafka_python", "confluent"
+    raw_kp, raw_cf = med["raw_kafka_python_events_per_s"], med["raw_confluent_events_per_s"]
     result = {
         "benchmark": "consume",
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "machine": machine(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit,
+        "load_average_1_5_15m_at_end": [round(x, 2) for x in os.getloadavg()],
+        "commit": git_commit(),
+        "command": shlex.join([".venv/bin/python", "bench/bench_consume.py", *sys.argv[1:]]),
+        "clients": {"kafka-python": kafka.__version__, "confluent-kafka": confluent_kafka.version(),
+                    "librdkafka": confluent_kafka.libversion()[0]},  # fmt: skip
         "events": args.events,
         "partitions": args.partitions,
+        "max_poll_records": cfg.max_poll_records,
+        "rounds": args.rounds,
         "produce_events_per_s": round(produce),
-        "raw_kafka_python_events_per_s": round(raw),
-        "event_consumer_null_sink_events_per_s": round(ours),
-        "event_consumer_vs_raw": round(ours / raw, 3),
-        "group_join_s": round(join_s, 2),
-    }
-    out = Path(__file__).resolve().parent / "results" / f"consume_{platform.node() or 'host'}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+        "raw_kafka_python_events_per_s": round(raw_kp),
+        "event_consumer_null_sink_events_per_s": round(med[f"{kp}_consumer_null_sink_events_per_s"]),
+        "event_consumer_vs_raw": round(med[f"{kp}_consumer_null_sink_events_per_s"] / raw_kp, 3),
+        "group_join_s": round(med[f"{kp}_group_join_s"], 2),
+        "raw_confluent_events_per_s": round(raw_cf),
+        "confluent_consumer_null_sink_events_per_s": round(med[f"{cf}_consumer_null_sink_events_per_s"]),
+        "confluent_consumer_vs_raw_confluent": round(med[f"{cf}_consumer_null_sink_events_per_s"] / raw_cf, 3),
+        "confluent_consumer_vs_event_consumer": round(
+            med[f"{cf}_consumer_null_sink_events_per_s"] / med[f"{kp}_consumer_null_sink_events_per_s"], 3
+        ),
+        "raw_confluent_vs_raw_kafka_python": round(raw_cf / raw_kp, 3),
+        "confluent_group_join_s": round(med[f"{cf}_group_join_s"], 2),
+        "per_round": [{k: round(v, 2 if k.endswith("_s") else 0) for k, v in r.items()} for r in rounds],
+    }  # fmt: skip
+    out = (
+        args.out
+        or Path(__file__).resolve().parent / "results" / f"consume_{machine().split()[0]}.json"
+    )
+    write_result(out, result)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
    tansu broker (``kafka.broker_bin_dir``: a carried wheel there serves a machine without
    internet);
 2. raw: a plain KafkaConsumer reads all M records and decodes each value (protobuf) only;
-3. end to end: ``recmem ingest`` as it runs (``build_engine``, EventConsumer -> KafkaIngest
+3. end to end: ``recmem ingest`` as it runs (``build_engine``, the kafka.client consumer -> KafkaIngest
    -> the engine loop, with the NoteBank archive and the latest events, as ``recmem serve``
    ingests), default model configuration with freshly initialised weights and the
    dataset's items as vocabulary, checkpoints on every ``--interval`` seconds) consumes
@@ -54,8 +54,8 @@ from recmem.producing import open_stream, stream_events  # noqa: E402
 from recmem.vocab import ItemVocab  # noqa: E402
 from streams.admin import ensure_topics  # noqa: E402
 from streams.broker import EmbeddedBroker  # noqa: E402
+from streams.clients import make_consumer  # noqa: E402
 from streams.codec import decode_event  # noqa: E402
-from streams.consumer import EventConsumer  # noqa: E402
 from streams.producer import EventProducer  # noqa: E402
 from streams.validate import ValidEvent  # noqa: E402
 
@@ -87,7 +87,7 @@ def raw_rate(cfg: Config, n: int) -> dict[str, float]:
 def end_to_end(cfg: Config, n: int) -> dict[str, object]:
     built = build_engine(cfg)
     ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
-    consumer = EventConsumer(cfg.kafka, ingest)
+    consumer = make_consumer(cfg.kafka, ingest)
     thread = threading.Thread(target=consumer.run, daemon=True)
     first_batch: list[float] = []
     apply_batch = ingest.apply_batch

@@ -506,12 +506,12 @@ def register_gauges(metrics: IngestMetrics, engine: Engine) -> None:
 
 def run_ingest(cfg: Config, *, init_model: bool = False) -> tuple[BuiltEngine, IngestTotals]:
     """``recmem ingest``: consume until SIGTERM/SIGINT, then checkpoint, commit and leave."""
-    from streams.consumer import EventConsumer
+    from streams.clients import make_consumer
 
     built = build_engine(cfg, init_model=init_model)
     ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
     kafka = dataclasses.replace(cfg.kafka, group_id=built.group_id)
-    consumer = EventConsumer(kafka, ingest, member=Member(tag=built.model_version))
+    consumer = make_consumer(kafka, ingest, member=Member(tag=built.model_version))
     store = built.engine.store
     register_gauges(consumer.metrics, built.engine)
     consumer.install_signal_handlers()

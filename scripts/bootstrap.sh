@@ -24,7 +24,7 @@ pip install "torch==2.13.0"
 pip install -e ".[dev]"
 # torchrec's metadata asks for the CUDA fbgemm-gpu; we ship with fbgemm-gpu-cpu instead.
 pip install --no-deps "torchrec==1.8.0"
-.venv/bin/python -c "import torch, torchrec, fla, kafka, polars, grpc, faiss, boto3, moto" \
+.venv/bin/python -c "import torch, torchrec, fla, kafka, confluent_kafka, polars, grpc, faiss, boto3, moto" \
   || { echo "[bootstrap] import check failed" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "[bootstrap] done"

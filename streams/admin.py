@@ -13,21 +13,47 @@ from streams.config import KafkaConfig
 log = logging.getLogger(__name__)
 
 
-def client_settings(cfg: KafkaConfig) -> dict[str, Any]:
-    """kafka-python keyword arguments for the bootstrap servers and security settings."""
-    settings: dict[str, Any] = {
+_NAMES: dict[str, tuple[str, str]] = {
+    "bootstrap_servers": ("bootstrap_servers", "bootstrap.servers"),
+    "security_protocol": ("security_protocol", "security.protocol"),
+    "sasl_mechanism": ("sasl_mechanism", "sasl.mechanism"),
+    "sasl_username": ("sasl_plain_username", "sasl.username"),
+    "sasl_password": ("sasl_plain_password", "sasl.password"),
+    "ssl_cafile": ("ssl_cafile", "ssl.ca.location"),
+    "ssl_certfile": ("ssl_certfile", "ssl.certificate.location"),
+    "ssl_keyfile": ("ssl_keyfile", "ssl.key.location"),
+}
+"""KafkaConfig field -> (kafka-python argument, librdkafka property)."""
+
+
+def _connection(cfg: KafkaConfig) -> dict[str, Any]:
+    """KafkaConfig field -> value, for the fields that reach the client: the servers as a
+    list, the SASL fields with a SASL protocol, the SSL files that are set with SSL."""
+    out: dict[str, Any] = {
         "bootstrap_servers": [s.strip() for s in cfg.bootstrap_servers.split(",") if s.strip()],
         "security_protocol": cfg.security_protocol,
     }
     if cfg.security_protocol.startswith("SASL"):
-        settings["sasl_mechanism"] = cfg.sasl_mechanism or "PLAIN"
-        settings["sasl_plain_username"] = cfg.sasl_username
-        settings["sasl_plain_password"] = cfg.sasl_password
+        out["sasl_mechanism"] = cfg.sasl_mechanism or "PLAIN"
+        out["sasl_username"] = cfg.sasl_username
+        out["sasl_password"] = cfg.sasl_password
     if cfg.security_protocol.endswith("SSL"):
         for key in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
             if getattr(cfg, key):
-                settings[key] = getattr(cfg, key)
-    return settings
+                out[key] = getattr(cfg, key)
+    return out
+
+
+def client_settings(cfg: KafkaConfig) -> dict[str, Any]:
+    """kafka-python keyword arguments for the bootstrap servers and security settings."""
+    return {_NAMES[field][0]: value for field, value in _connection(cfg).items()}
+
+
+def librdkafka_settings(cfg: KafkaConfig) -> dict[str, Any]:
+    """The same as librdkafka properties (confluent-kafka's configuration dict)."""
+    out = {_NAMES[field][1]: value for field, value in _connection(cfg).items()}
+    out["bootstrap.servers"] = ",".join(out["bootstrap.servers"])
+    return out
 
 
 def ensure_topics(cfg: KafkaConfig, partitions: dict[str, int], timeout_s: float = 10.0) -> None:

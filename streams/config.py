@@ -18,6 +18,12 @@ class KafkaConfig:
     """Where undecodable or invalid events go, with the reason in headers."""
     group_id: str = "recmem"
     """Consumer group."""
+    client: str = "kafka-python"
+    """The Kafka client the consumer reads with: kafka-python (default; the group members
+    publish their rank addresses and model version, which routing needs) | confluent
+    (librdkafka through confluent-kafka, streams/confluent.py: the same batches, commits,
+    restores and dead letters, but no group member data, so no routing: refused with
+    ``recmem serve``'s ingest and with server.advertised_address; docs/streams.md)."""
     security_protocol: str = "PLAINTEXT"
     """PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL."""
     sasl_mechanism: str = ""

@@ -90,6 +90,9 @@ class GroupView:
     """This member got no partitions because its tag is not the group's."""
     members: int = 0
     """Members in this generation (refused ones included)."""
+    complete: bool = True
+    """False: ``owners`` holds only this member's own partitions (a client that cannot
+    carry the member data, streams/confluent.py); the other partitions' owners are unknown."""
 
     def owner(self, partition: int) -> Member | None:
         return self.owners.get(partition)

@@ -19,7 +19,8 @@ import time
 from types import FrameType
 from typing import Any
 
-from recmem.config import Config
+from recmem.config import Config, ConfigError
+from recmem.config_checks import CONFLUENT_SERVE
 from recmem.engine.builder import BuiltEngine, build_engine
 from recmem.ingest import KafkaIngest, register_gauges
 from recmem.routing import OwnerMap
@@ -50,6 +51,8 @@ class RecMemService:
         built: BuiltEngine | None = None,
     ) -> None:
         self.cfg = cfg
+        if ingest and cfg.kafka.client == "confluent":
+            raise ConfigError(CONFLUENT_SERVE)
         if built is None:
             built = build_engine(cfg, device=device, init_model=init_model)
         elif not built.loop.alive:
@@ -86,6 +89,7 @@ class RecMemService:
         self.ingest: KafkaIngest | None = None
         self._thread: threading.Thread | None = None
         if ingest:
+            # group routing needs kafka-python's member data (confluent is refused above)
             from streams.consumer import EventConsumer
 
             assert self.owners is not None

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from streams.admin import client_settings, end_offsets, ensure_topics
+from streams.admin import client_settings, end_offsets, ensure_topics, librdkafka_settings
 from streams.codec import make_event
 from streams.producer import EventProducer
 
@@ -44,3 +44,16 @@ def test_client_settings_carry_security():
     )
     assert s["ssl_cafile"] == "/ca.pem" and "ssl_certfile" not in s
     assert "sasl_mechanism" not in client_settings(KafkaConfig())
+    r = librdkafka_settings(cfg)
+    assert r == {
+        "bootstrap.servers": "a:1,b:2",
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.username": "me",
+        "sasl.password": "pw",
+        "ssl.ca.location": "/ca.pem",
+    }
+    assert librdkafka_settings(KafkaConfig()) == {
+        "bootstrap.servers": "127.0.0.1:9092",
+        "security.protocol": "PLAINTEXT",
+    }

@@ -1,0 +1,32 @@
+"""The consumer ``kafka.client`` names: kafka-python's :class:`~streams.consumer.EventConsumer`
+(the default) or librdkafka's :class:`~streams.confluent.ConfluentEventConsumer`. Each is
+imported only when chosen, so confluent-kafka is loaded only by those who ask for it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from streams.config import KafkaConfig
+from streams.consumer_base import BaseConsumer
+from streams.sink import BatchSink
+
+CLIENTS = ("kafka-python", "confluent")
+"""``kafka.client`` choices."""
+
+
+def consumer_class(client: str) -> Callable[..., BaseConsumer]:
+    if client == "kafka-python":
+        from streams.consumer import EventConsumer
+
+        return EventConsumer
+    if client == "confluent":
+        from streams.confluent import ConfluentEventConsumer
+
+        return ConfluentEventConsumer
+    raise ValueError(f"kafka.client {client!r} is not one of {', '.join(CLIENTS)}")
+
+
+def make_consumer(cfg: KafkaConfig, sink: BatchSink, **kwargs: Any) -> BaseConsumer:
+    """The consumer of ``cfg.client`` over ``sink`` (keyword arguments: BaseConsumer's)."""
+    return consumer_class(cfg.client)(cfg, sink, **kwargs)
