@@ -44,11 +44,13 @@ from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.client import GENERATION, OWNER, PARTITION, RETRY_PUSHBACK
 from recmem.config import Config
 from recmem.server.app import GrpcServer
+from recmem.server.metrics import LATENCY_BUCKETS
 from recmem.server.routing import FORWARDED
 
 log = logging.getLogger(__name__)
@@ -220,10 +222,34 @@ def _abort_as(context: grpc.ServicerContext, e: BaseException) -> NoReturn:
     _abort(context, grpc.StatusCode.INTERNAL, "rank failed; see the server log")
 
 
+class FrontEndMetrics:
+    """What a front end measures itself: each Rank call's time as its caller sees it (less
+    the network), and its status. In the process's default registry, which under
+    ``PROMETHEUS_MULTIPROC_DIR`` (set by the service, recmem/server/frontends.py) writes to
+    files the service's metrics endpoint sums over every front end."""
+
+    def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+        self.latency = Histogram(
+            "recmem_frontend_rank_latency_seconds",
+            "Rank call time at the front ends (batching, the engine process's answer)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "recmem_frontend_rank_requests",
+            "Rank calls answered by the front ends, by gRPC status code",
+            ["code"],
+            registry=registry,
+        )
+
+
 class FrontEndServicer(rank_pb2_grpc.RecMemServicer):
     """The public RecMem API of a front end, over the engine process's ``channel``."""
 
-    def __init__(self, channel: grpc.Channel, cfg: Config) -> None:
+    def __init__(
+        self, channel: grpc.Channel, cfg: Config, metrics: FrontEndMetrics | None = None
+    ) -> None:
+        self._metrics = metrics
         s = cfg.server
         self._stub = rank_pb2_grpc.RecMemStub(channel)  # type: ignore[no-untyped-call]
         self._timeout_s = s.request_timeout_s
@@ -243,6 +269,23 @@ class FrontEndServicer(rank_pb2_grpc.RecMemServicer):
         return next((v for k, v in (context.invocation_metadata() or ()) if k == FORWARDED), "")
 
     def Rank(
+        self, request: rank_pb2.RankRequest, context: grpc.ServicerContext
+    ) -> rank_pb2.RankResponse:
+        if self._metrics is None:
+            return self._rank(request, context)
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            return self._rank(request, context)
+        except BaseException:
+            status = context.code()  # set by context.abort
+            code = status.name if isinstance(status, grpc.StatusCode) else "UNKNOWN"
+            raise
+        finally:
+            self._metrics.latency.observe(time.perf_counter() - start)
+            self._metrics.requests.labels(code=code).inc()
+
+    def _rank(
         self, request: rank_pb2.RankRequest, context: grpc.ServicerContext
     ) -> rank_pb2.RankResponse:
         timeout = self._timeout(context)
@@ -308,7 +351,8 @@ class FrontEnd:
                 ("grpc.enable_retries", 0),
             ],
         )
-        self.servicer = FrontEndServicer(self.channel, cfg)
+        metrics = FrontEndMetrics() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
+        self.servicer = FrontEndServicer(self.channel, cfg, metrics)
         self.server = GrpcServer(cfg, self.servicer, port=port, reuse_port=True)
         self._watch: Any = None
         self._stopping = threading.Event()

@@ -84,6 +84,10 @@ class FrontEnds:
         self.run_dir = tempfile.mkdtemp(prefix="recmem-")  # mode 0700
         self.engine_socket = os.path.join(self.run_dir, "engine.sock")
         self.engine_address = f"unix:{self.engine_socket}"
+        self.metrics_dir = os.path.join(self.run_dir, "metrics")
+        """The front ends' Prometheus values (prometheus_client's multiprocess files), read by
+        the service's metrics endpoint; a replaced front end's counts stay in the totals."""
+        os.makedirs(self.metrics_dir)
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * self.count
         self.restarts: list[collections.deque[float]] = [
             collections.deque() for _ in range(self.count)
@@ -114,6 +118,7 @@ class FrontEnds:
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
         proc = subprocess.Popen(
             [sys.executable, "-m", "recmem.server.frontend"],
             stdin=subprocess.PIPE,

@@ -67,6 +67,10 @@ class RecMemService:
         self._done = threading.Event()
         # server.frontends: the public port belongs to front-end processes, this server to them
         self.frontends = FrontEnds(cfg, self._fail) if cfg.server.frontends > 0 else None
+        if self.frontends is not None:  # their recmem_frontend_* figures, on this endpoint
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            MultiProcessCollector(self.metrics.registry, path=self.frontends.metrics_dir)
         self.server = RankServer(
             cfg,
             self.built.loop,

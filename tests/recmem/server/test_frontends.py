@@ -107,8 +107,11 @@ def test_rank_through_the_front_ends_is_the_single_process_answer(
 
 
 def test_a_bad_request_fails_as_in_one_process(
-    public: rank_pb2_grpc.RecMemStub, engine: rank_pb2_grpc.RecMemStub
+    svc: RecMemService, public: rank_pb2_grpc.RecMemStub, engine: rank_pb2_grpc.RecMemStub
 ) -> None:
+    registry = svc.metrics.registry
+    label = {"code": "INVALID_ARGUMENT"}
+    refused_before = registry.get_sample_value("recmem_frontend_rank_requests_total", label) or 0
     bad = [
         rank_pb2.RankRequest(user_id="user1", k=0),
         rank_pb2.RankRequest(user_id="", k=3),
@@ -125,6 +128,9 @@ def test_a_bad_request_fails_as_in_one_process(
             answers.append((err.value.code(), err.value.details()))
         assert answers[0] == answers[1]
         assert answers[0][0] == grpc.StatusCode.INVALID_ARGUMENT
+    # the front ends count what they answered, with the engine process's status
+    refused = registry.get_sample_value("recmem_frontend_rank_requests_total", label)
+    assert refused == refused_before + len(bad)
     too_many = rank_pb2.RankBatchRequest(requests=[requests()[0]] * 257)
     with pytest.raises(grpc.RpcError) as err:
         public.RankBatch(too_many, timeout=TIMEOUT)
@@ -149,6 +155,8 @@ def test_concurrent_callers_share_engine_batches(
     counts = svc.built.loop.counts
     registry = svc.metrics.registry
     ok_before = registry.get_sample_value("recmem_rank_requests_total", {"code": "OK"}) or 0
+    front = "recmem_frontend_rank_latency_seconds_count"
+    timed_before = registry.get_sample_value(front) or 0
     batches_before, requests_before = counts.batches, counts.requests
     callers, rounds = 16, 6
     failures: list[str] = []
@@ -176,6 +184,10 @@ def test_concurrent_callers_share_engine_batches(
     assert counts.largest_batch > 1
     ok = registry.get_sample_value("recmem_rank_requests_total", {"code": "OK"})
     assert ok == ok_before + n  # each front-end call counted in the engine's metrics
+    # and timed at the front end that answered it, summed over the front-end processes
+    assert registry.get_sample_value(front) == timed_before + n
+    slow = registry.get_sample_value("recmem_frontend_rank_latency_seconds_bucket", {"le": "+Inf"})
+    assert slow == timed_before + n
 
 
 def test_health_follows_the_engine(svc: RecMemService) -> None:
