@@ -252,7 +252,7 @@ def combine_runs(
                     f"{d}: neither summary.json nor ranks files: not an evaluation run"
                 )
             for f in files:
-                unit = unit_from_ranks(f, base["dataset"])
+                unit = unit_from_ranks(f, base["dataset"], base["split"].get("n_test_targets"))
                 unit["ranks"] = _copy_ranks(
                     f.parent.parent, f"{RANKS_DIR}/{f.name}", out, unit["label"], unit["seed"]
                 )
@@ -286,15 +286,21 @@ def combine_runs(
     return summary, {m: list(u.values()) for m, u in units.items()}, picked_unavailable
 
 
-def unit_from_ranks(path: Path, dataset: str) -> Unit:
+def unit_from_ranks(path: Path, dataset: str, n_targets: int | None = None) -> Unit:
     """The unit (plus its ``label``) of one ranks file, for a run that never wrote its
     summary: the TEST metrics overall, per stratum and per position bucket are recomputed
     from the per-target ranks; the configuration is only what the label says (its overrides),
     and the training and evaluation times are unknown (None). Raises ValueError for a file
-    of another dataset."""
+    of another dataset, or (``n_targets``: the complete runs' TEST target count) of another
+    split of it."""
     r = load_ranks(path)
     if r["dataset"] != dataset:
         raise ValueError(f"{path}: ranks of dataset {r['dataset']!r}, the runs are {dataset!r}")
+    if n_targets is not None and len(r["ranks"]) != n_targets:
+        raise ValueError(
+            f"{path}: ranks of {len(r['ranks'])} TEST targets, the runs' split has {n_targets}: "
+            "another split of the dataset"
+        )
     label = r["label"]
     name, _, rest = label.partition("[")
     unit: Unit = {"overall": metrics_from_ranks(r["ranks"])}

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from offline_eval import runner
 from offline_eval.jobs import training_groups
-from offline_eval.ranks import load_ranks
+from offline_eval.ranks import load_ranks, save_ranks
 from offline_eval.results import combine_runs
 from recmem.cli import main
 from recmem.config import load_config
@@ -211,6 +212,15 @@ def test_from_runs_recovers_a_stopped_run_from_its_ranks_files(tmp_path: Path) -
     assert json.dumps(got["intervals"]["models"]) == json.dumps(whole["intervals"]["models"])
     assert "recovered" in noisy["per_seed"]["1"]["config"]
     assert noisy["per_seed"]["1"]["train_seconds"] is None
+    # a ranks file of another split (here: one target fewer) is refused, not paired
+    ranks_file = next((tmp_path / "s1" / "jobs" / "0" / "ranks").glob("noisy-pop*.npz"))
+    r = load_ranks(ranks_file)
+    per_target = {k: v[:-1] for k, v in r.items() if isinstance(v, np.ndarray) and v.ndim == 1}
+    per_target.pop("global_idx")
+    save_ranks(ranks_file, label=r["label"], seed=r["seed"], dataset=r["dataset"],
+               per_target=per_target, global_idx=r["global_idx"][:-1])  # fmt: skip
+    with pytest.raises(ValueError, match="another split"):
+        combine_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "y")
     # ranks files alone name no split: a complete run must be among the runs
     with pytest.raises(ValueError, match="only beside a complete run"):
         combine_runs([tmp_path / "s1"], tmp_path / "x")
