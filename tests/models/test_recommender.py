@@ -87,6 +87,30 @@ def test_causal() -> None:
     assert not torch.allclose(a[:, 6:], b[:, 6:])
 
 
+def test_training_step_is_causal() -> None:
+    """What training reads at input t (the user vector of the default head: memory, window
+    attention, request time) depends on no later event: neither a later item nor a later
+    request time. The training scan (memory.train_backend) differs from the eval one."""
+    cfg = Config()
+    cfg.memory.key_dim = cfg.memory.value_dim = 8
+    cfg.memory.horizon = 8
+    cfg.model.embed_dim, cfg.model.dropout = 16, 0.0  # the dropout masks would differ
+    torch.manual_seed(0)
+    model = MemoryRecommender(N_ITEMS, N_OOV, cfg.memory, cfg.model).train()
+    assert model.head.window > 0
+    items, actions, ts = batch(2, 24)
+    request_ts = torch.cat([ts[:, 1:], ts[:, -1:] + 1], dim=1)
+    lengths = torch.tensor([24, 24])
+    a = advance(model, items, actions, ts, lengths, request_ts=request_ts).user
+    for t in (3, 16):
+        items2, req2 = items.clone(), request_ts.clone()
+        items2[:, t + 1 :] = (items2[:, t + 1 :] + 7) % N_ITEMS
+        req2[:, t + 1 :] += 10**9
+        b = advance(model, items2, actions, ts, lengths, request_ts=req2).user
+        assert torch.equal(a[:, : t + 1], b[:, : t + 1])
+        assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])
+
+
 def test_padding_is_a_no_op() -> None:
     model = small_model()
     items, actions, ts = batch(2, 10)
