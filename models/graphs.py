@@ -37,6 +37,30 @@ def _bucket(n: int, sizes: tuple[int, ...]) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
+def _powers_of_two(top: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the first power of two >= ``top``: the padded user counts."""
+    sizes = [1]
+    while sizes[-1] < top:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
+def _capture(run: Any, dev: torch.device, pool: Any) -> tuple[Any, torch.Tensor]:
+    """(graph, output) of ``run()`` captured in a CUDA graph on ``dev`` after two warm-up
+    runs on a side stream (lazy inits, cuBLAS handles)."""
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: CUDA calls of other threads (an ingest step) stay legal meanwhile
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
+
+
 class _Captured:
     """Static inputs, the graph (None when not capturing) and its output for one shape."""
 
@@ -51,20 +75,9 @@ class _Captured:
         self.state = like.map(lambda t: z(B, *t.shape[1:], dtype=t.dtype, device=dev))
         self.model = model
         self.graph: Any = None
-        if not capture:
-            self.out = self.state.h
-            return
-        run = self._run
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the graph (lazy inits, cuBLAS handles)
-                run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of other threads (an ingest step) stay legal meanwhile
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.out = run()
+        self.out = self.state.h
+        if capture:
+            self.graph, self.out = _capture(self._run, dev, pool)
 
     def _run(self) -> torch.Tensor:
         return self.model.replay_read(self.items, self.actions, self.ts, self.lengths, self.state)
@@ -114,10 +127,7 @@ class GraphedReplay:
         event_buckets: tuple[int, ...] = EVENT_BUCKETS,
     ) -> None:
         self.model = model
-        sizes = [1]
-        while sizes[-1] < max_batch:
-            sizes.append(sizes[-1] * 2)
-        self.batch_buckets = tuple(sizes)
+        self.batch_buckets = _powers_of_two(max_batch)
         self.event_buckets = tuple(event_buckets)
         self.device = next(model.parameters()).device
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -188,18 +198,9 @@ class _CapturedReadout:
         self.replayed_ok = torch.zeros(B, dtype=torch.bool, device=dev)
         self.model = model
         self.graph: Any = None
-        if not capture:
-            self.out = self.state.h
-            return
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the graph
-                self._run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.out = self._run()
+        self.out = self.state.h
+        if capture:
+            self.graph, self.out = _capture(self._run, dev, pool)
 
     def _run(self) -> torch.Tensor:
         return self.model.read_user(
@@ -244,10 +245,7 @@ class GraphedReadout:
 
     def __init__(self, model: Any, max_batch: int = 64, capture: bool | None = None) -> None:
         self.model = model
-        sizes = [1]
-        while sizes[-1] < max_batch:
-            sizes.append(sizes[-1] * 2)
-        self.batch_buckets = tuple(sizes)
+        self.batch_buckets = _powers_of_two(max_batch)
         self.device = next(model.parameters()).device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self._shapes: dict[int, _CapturedReadout] = {}
