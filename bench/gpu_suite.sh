@@ -30,6 +30,9 @@
 #   recipe   the suite again after the grid's pick became the default recipe: the memory
 #            model with 3 seeds and SASRec with seed 0 on ML-1M, ML-100K and synthetic, the
 #            memory model on completejourney (pop does not train: the final plan's stands)
+#   readout  model.readout = identity (the read-out head's last linear map removed), 3 seeds
+#            on ML-1M, ML-100K and synthetic, and seed 0 on completejourney with SASRec
+#            under the current recipe (the linear read-out's runs are the recipe plan's)
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -160,6 +163,15 @@ plan_recipe() {  # the default recipe (after the grid), every trained model of t
     run_eval "recipe-$d-sasrec" "$d" 1 sasrec "${cap[@]}"
   done
   run_eval recipe-completejourney-mem completejourney 1 "$MAC" "${cap[@]}"
+}
+
+plan_readout() {  # the read-out head without its last linear map, against the recipe plan
+  local cap=(--set train.max_seconds="${MAX_S:-600}") d
+  local ident='memory-proteus[model.readout=identity]'
+  for d in ml-1m ml-100k synthetic; do
+    run_eval "readout-$d" "$d" 3 "$ident" --seeds 0,1,2 "${cap[@]}"
+  done
+  run_eval readout-completejourney completejourney 2 "sasrec,$ident" "${cap[@]}"
 }
 
 plan_final() {

@@ -106,6 +106,11 @@ class ModelConfig:
     training (``train.replay_steps``)."""
     replay_rank: int = 8
     """Rank of the ``lowrank`` replay fusion."""
+    readout: str = "linear"
+    """The last map from the read-out head to the user vector, which is scored against the
+    tied item table: linear = a learned D x D matrix (a bilinear score between the input
+    and output item tables); identity = none (the user vector is the head's normalised
+    output, SASRec's form: input and output items share one space)."""
     route_dim: int = 0
     """0: the NoteBank addresses notes with the masked queries q~ themselves (the archive's
     fixed coordinate selection P, ``archive.address_dim``); d > 0: with a learned projection

@@ -20,7 +20,8 @@ Request time (``model.request_time``): ``gap`` adds an embedding of the (log-buc
 from the user's latest event to the request, and with a hybrid a per-head bias on each
 window event's age at the request; ``gap_clock`` adds the request's hour of day and day of
 week (UTC). With a hybrid or request time, z then passes a LayerNorm and a feed-forward
-block; the user vector is ``readout(z)``.
+block; the user vector is ``readout(z)`` (``model.readout``: a learned linear map, or the
+identity).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from models.features import time_gap_buckets
 
 HYBRIDS = ("none", "mac", "mag")
 REQUEST_TIMES = ("none", "gap", "gap_clock")
+READOUTS = ("linear", "identity")
 REQUEST_GAP_BUCKETS = 32
 """Log buckets of the time from the latest event (or a window event) to the request."""
 QUERY_BLOCK = 256
@@ -51,6 +53,8 @@ def check_head_config(model: ModelConfig) -> None:
         raise ValueError(
             f"model.request_time {model.request_time!r} is not one of {'|'.join(REQUEST_TIMES)}"
         )
+    if model.readout not in READOUTS:
+        raise ValueError(f"model.readout {model.readout!r} is not one of {'|'.join(READOUTS)}")
     if model.hybrid != "none" and model.window < 1:
         raise ValueError("model.window must be >= 1 with a hybrid")
     if model.hybrid != "none" and (model.attn_heads < 1 or model.embed_dim % model.attn_heads):
@@ -211,7 +215,7 @@ class ReadHead(nn.Module):
             self.ffn = nn.Sequential(nn.Linear(D, hidden), nn.GELU(), nn.Linear(hidden, D))
             self.norm2 = nn.LayerNorm(D)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.readout = nn.Linear(D, D)
+        self.readout: nn.Module = nn.Linear(D, D) if cfg.readout == "linear" else nn.Identity()
 
     def forward(
         self,

@@ -381,7 +381,7 @@ class MemoryRecommender(nn.Module):
             self.embed_dim,
             window=self.head.window,
             device=device,
-            dtype=self.head.readout.weight.dtype,
+            dtype=self.embed.item_weight().dtype,
             adaptive=self.sched.adaptive,
             keyed_order=self.sched.keyed,
         )
@@ -875,7 +875,7 @@ def _gather_user_vectors(
     request_ts: np.ndarray,
     batch_users: int,
 ) -> torch.Tensor:
-    weight = model.head.readout.weight
+    weight = model.embed.item_weight()
     device = weight.device
     result = torch.zeros(len(rows), model.embed_dim, device=device, dtype=weight.dtype)
     if len(rows) == 0:

@@ -152,7 +152,11 @@ def load_model(
         raise FileNotFoundError(f"no trained model at {path}")
     state, meta = _read(path)
     vocab = ItemVocab.from_dict(meta["vocab"])
-    cfg = Config.from_dict(meta["config"])
+    conf = meta["config"]
+    if meta.get("kind") == "memory" and "readout" not in conf.get("model", {}):
+        # saved before model.readout existed: those models have the learned linear read-out
+        conf = {**conf, "model": {**conf.get("model", {}), "readout": "linear"}}
+    cfg = Config.from_dict(conf)
     model = build_model(meta["kind"], vocab.n_items, vocab.n_oov, cfg, meta["sasrec"])
     model.load_state_dict(state)
     model.to(device).eval()

@@ -14,6 +14,8 @@ from models.train import train_memory_model
 from recmem.config import Config
 from recmem.modelstore import (
     MODEL_FILE,
+    _read,
+    _write,
     adopt_model_config,
     convert_legacy,
     load_model,
@@ -37,8 +39,10 @@ def small_cfg() -> Config:
     return cfg
 
 
-def test_trained_memory_model_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("readout", ["linear", "identity"])
+def test_trained_memory_model_round_trip(tmp_path: Path, readout: str) -> None:
     cfg = small_cfg()
+    cfg.model.readout = readout
     vocab = ItemVocab([f"i{i}" for i in range(30)], 4)
     torch.manual_seed(0)
     model = MemoryRecommender(vocab.n_items, vocab.n_oov, cfg.memory, cfg.model)
@@ -61,6 +65,23 @@ def test_trained_memory_model_round_trip(tmp_path: Path) -> None:
     # Saving the same weights again gives the same version; new weights a new one.
     save_model(tmp_path, model, vocab, cfg)
     assert load_model(tmp_path)[3]["model_version"] == extra["model_version"]
+
+
+def test_model_saved_before_readout_option_loads_as_linear(tmp_path: Path) -> None:
+    """Files written before ``model.readout`` existed hold the learned linear read-out; their
+    config lacks the field, and loading must not apply today's default to them."""
+    cfg = small_cfg()
+    cfg.model.readout = "linear"
+    vocab = ItemVocab([f"i{i}" for i in range(30)], 4)
+    model = MemoryRecommender(vocab.n_items, vocab.n_oov, cfg.memory, cfg.model)
+    save_model(tmp_path, model, vocab, cfg)
+    state, meta = _read(tmp_path / MODEL_FILE)
+    del meta["config"]["model"]["readout"]
+    _write(tmp_path, state, meta)
+    loaded, _, cfg2, _ = load_model(tmp_path)
+    assert cfg2.model.readout == "linear"
+    assert isinstance(loaded, MemoryRecommender)
+    assert torch.equal(loaded.head.readout.weight, model.head.readout.weight)
 
 
 def test_sasrec_round_trip(tmp_path: Path) -> None:
