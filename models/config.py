@@ -106,11 +106,12 @@ class ModelConfig:
     training (``train.replay_steps``)."""
     replay_rank: int = 8
     """Rank of the ``lowrank`` replay fusion."""
-    readout: str = "linear"
+    readout: str = "identity"
     """The last map from the read-out head to the user vector, which is scored against the
-    tied item table: linear = a learned D x D matrix (a bilinear score between the input
-    and output item tables); identity = none (the user vector is the head's normalised
-    output, SASRec's form: input and output items share one space)."""
+    tied item table: identity = none, the user vector is the head's normalised output
+    (SASRec's form: input and output items share one space); linear = a learned D x D matrix
+    (a bilinear score between the two, the default before; it overfits sparse catalogs).
+    identity: ahead on every dataset of the suite's VALID (reports/suite/README.md)."""
     route_dim: int = 0
     """0: the NoteBank addresses notes with the masked queries q~ themselves (the archive's
     fixed coordinate selection P, ``archive.address_dim``); d > 0: with a learned projection

@@ -46,7 +46,7 @@ def batch(B: int = 3, T: int = 12, seed: int = 0):
 
 def advance(model, items, actions, ts, lengths, state=None, **kw):
     state = state if state is not None else model.init_state(items.shape[0], "cpu")
-    dtype = model.head.readout.weight.dtype
+    dtype = model.embed.item_weight().dtype
     state.S, state.h = state.S.to(dtype), state.h.to(dtype)
     if state.M is not None:
         state.M = state.M.to(dtype)

@@ -210,7 +210,7 @@ def test_proteus_ffn_update_mask_locks_trailing_coordinates() -> None:
     model = make_model(cfg)
     ffn = model.layers[0].ffn[0].weight  # type: ignore[index]
     before = ffn.detach().clone().view(-1)
-    other = model.head.readout.weight.detach().clone()
+    other = model.head.norm.weight.detach().clone()
     seqs = cyclic_seqs(n_users=8, n_items=N_ITEMS, max_len=10)
     train_memory_model(model, seqs, cfg.train)
     after = ffn.detach().view(-1)
@@ -218,7 +218,7 @@ def test_proteus_ffn_update_mask_locks_trailing_coordinates() -> None:
     # Far below the horizon only the first of 4 blocks is open.
     assert not torch.equal(after[:d], before[:d])
     assert torch.equal(after[d:], before[d:])
-    assert not torch.equal(model.head.readout.weight, other)
+    assert not torch.equal(model.head.norm.weight, other)
 
 
 def test_proteus_update_mask_schedule() -> None:

@@ -81,7 +81,9 @@ def test_model_saved_before_readout_option_loads_as_linear(tmp_path: Path) -> No
     loaded, _, cfg2, _ = load_model(tmp_path)
     assert cfg2.model.readout == "linear"
     assert isinstance(loaded, MemoryRecommender)
-    assert torch.equal(loaded.head.readout.weight, model.head.readout.weight)
+    lin, lin2 = model.head.readout, loaded.head.readout
+    assert isinstance(lin, torch.nn.Linear) and isinstance(lin2, torch.nn.Linear)
+    assert torch.equal(lin2.weight, lin.weight)
 
 
 def test_sasrec_round_trip(tmp_path: Path) -> None:
