@@ -1,7 +1,7 @@
 """Capacity model of a recmem deployment on a Kafka consumer group (docs/scaling.md).
 
     .venv/bin/python bench/capacity.py [--users 100e6] [--events-per-s 1e6]
-        [--bytes-per-user 262416] [--write-mb-s W] [--restore-mb-s R]
+        [--bytes-per-user B] [--write-mb-s W] [--restore-mb-s R]
         [--kernel-events-per-s K] [--consume-events-per-s C] [--machine-state-gb 256]
         [--processes-per-machine 1] [--partitions 0] [--active-fraction 0.05]
         [--interval-s 30] [--full-every 8] [--session-s 10] [--restore-threads 2]
