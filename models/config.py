@@ -147,6 +147,13 @@ class TrainConfig:
     on the dataset suite's VALID, reports/suite/README.md)."""
     loss: str = "full"
     """full: full-softmax cross-entropy over the catalog; sampled: sampled softmax."""
+    loss_weight: str = "step"
+    """How the memory model weighs its training targets across optimizer steps. step: each
+    step's loss is the mean over its targets, so every step counts the same and a step over
+    a batch of short histories (few targets) weighs each of its targets more; target: each
+    step's loss is its targets' sum over the epoch's mean number of targets per step, so
+    every training target weighs the same. target is off by default until the dataset
+    suite has measured it (reports/suite/README.md, "Loss weight")."""
     n_negatives: int = 1024
     """Negatives per step for the sampled softmax."""
     patience: int = 6

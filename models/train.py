@@ -40,6 +40,7 @@ from models.train_step import SegmentBatch, StaticSegmentStep, static_step_fits
 
 log = logging.getLogger(__name__)
 
+LOSS_WEIGHTS = ("step", "target")
 BATCH_USERS_DIVISOR = 48
 BATCH_MIN, BATCH_MAX = 16, 128
 """``train.batch_size = 0``: users per step = training users / BATCH_USERS_DIVISOR, clipped
@@ -113,6 +114,10 @@ def check_train_config(tcfg: TrainConfig) -> None:
         (tcfg.n_negatives >= 1, "train.n_negatives must be >= 1"),
         (tcfg.proteus_ffn_horizon >= 1, "train.proteus_ffn_horizon must be >= 1"),
         (tcfg.loss in ("full", "sampled"), "train.loss must be full or sampled"),
+        (
+            tcfg.loss_weight in LOSS_WEIGHTS,
+            f"train.loss_weight must be {' or '.join(LOSS_WEIGHTS)}",
+        ),
     ]
     for ok, msg in checks:
         if not ok:
@@ -390,6 +395,8 @@ class MemoryEpoch:
         self.model, self.seqs, self.tcfg, self.device = model, seqs, tcfg, device
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batch_size = auto_batch_size(tcfg, int((self.lengths >= 2).sum()))
+        self.ref_targets = 1.0
+        """Training targets per step over the current epoch (``train.loss_weight`` target)."""
         self.rng = np.random.default_rng(tcfg.seed)
         self.gen = torch.Generator().manual_seed(tcfg.seed)
         self.static: StaticSegmentStep | None = None
@@ -437,6 +444,7 @@ class MemoryEpoch:
 
     def __call__(self, epoch: int, control: TrainControl) -> float:
         batches = length_batches(self.lengths, self.batch_size, self.rng)
+        self.ref_targets = mean_targets_per_step(batches, self.lengths, self.tcfg.segment_len)
         total, count = torch.zeros(()), 0
         bar = tqdm(batches, desc=f"epoch {epoch + 1}", unit="batch", leave=False)
         for users in bar:
@@ -492,6 +500,9 @@ class MemoryEpoch:
             if self.sampler is not None:
                 negatives = self.sampler.sample(tcfg.n_negatives, self.gen)
             loss = next_item_loss(user_vecs, tgt, model.item_weight(), self.sampler, negatives)
+            step_loss = loss.detach()
+            if tcfg.loss_weight == "target":
+                loss = loss * (n / self.ref_targets)
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -501,7 +512,6 @@ class MemoryEpoch:
             self.optim.step()
             if self.update_mask is not None:
                 self.update_mask.after_step()
-            step_loss = loss.detach()
             loss_sum = loss_sum + step_loss * n
             n_total += n
             if control.after_step(step_loss, n):
@@ -526,18 +536,32 @@ class MemoryEpoch:
             weights = (np.arange(e - s)[None, :] < seg_len[:, None]) & (
                 targets[:, s:e] < model.n_items
             )
+            n = int(weights.sum())
+            norm = self.ref_targets if self.tcfg.loss_weight == "target" else max(n, 1)
             seg = SegmentBatch(
                 items[:, s:e], actions[:, s:e], ts[:, s:e], request_ts[:, s:e],
                 np.where(weights, targets[:, s:e], 0), weights.astype(np.float32), seg_len,
+                float(norm),
             )  # fmt: skip
-            n = int(weights.sum())
             control.before_step()
             loss, state = self.static.run(seg, state)
+            loss = loss * (norm / max(n, 1))  # the mean over the step's targets, as reported
             loss_sum = loss_sum + loss * n
             n_total += n
             if control.after_step(loss, n):
                 break
         return loss_sum, n_total
+
+
+def mean_targets_per_step(batches: list[np.ndarray], lengths: np.ndarray, segment: int) -> float:
+    """Training targets per optimizer step over an epoch of ``batches`` (a user of length n
+    has n - 1 targets; a batch takes one step per segment of its longest user)."""
+    targets = steps = 0
+    for users in batches:
+        in_len = np.asarray(lengths)[users] - 1
+        targets += int(in_len.sum())
+        steps += -(-int(in_len.max()) // segment) if len(users) else 0
+    return max(targets / max(steps, 1), 1.0)
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -51,6 +51,9 @@ class SegmentBatch:
     targets: np.ndarray
     weights: np.ndarray
     lengths: np.ndarray
+    norm: float = 0.0
+    """The loss is sum(weights * cross-entropy) / norm (0: the sum of the weights, the mean
+    over the real targets)."""
 
 
 def static_step_fits(batch: int, segment: int, n_items: int) -> bool:
@@ -79,6 +82,7 @@ class StaticSegmentStep:
         self.targets = ints()
         self.weights = z(B, T, device=device)
         self.lengths = z(B, dtype=torch.int64, device=device)
+        self.norm = torch.ones((), device=device)
         self.state = model.init_state(B, device)
         self.loss = z((), device=device)
         self.out_state: MemoryState | None = None
@@ -98,7 +102,7 @@ class StaticSegmentStep:
         logits = res.user.reshape(-1, res.user.shape[-1]) @ model.item_weight().T
         ce = F.cross_entropy(logits, self.targets.reshape(-1), reduction="none")
         w = self.weights.reshape(-1)
-        loss = (ce * w).sum() / torch.clamp(w.sum(), min=1.0)
+        loss = (ce * w).sum() / self.norm
         self.optim.zero_grad(set_to_none=False)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -121,6 +125,8 @@ class StaticSegmentStep:
             host = np.zeros(buf.shape, dtype=arr.dtype)
             host[:b, :t] = arr
             buf.copy_(_pinned(host), non_blocking=True)
+        norm = seg.norm if seg.norm > 0 else max(float(seg.weights.sum()), 1.0)
+        self.norm.copy_(_pinned(np.asarray(norm, dtype=np.float32)), non_blocking=True)
         lengths = np.zeros(self.B, dtype=np.int64)
         lengths[:b] = seg.lengths
         self.lengths.copy_(_pinned(lengths), non_blocking=True)

@@ -15,8 +15,10 @@ from models.train import (
     ProteusUpdateMask,
     TrainControl,
     auto_batch_size,
+    check_train_config,
     fit,
     length_batches,
+    mean_targets_per_step,
     next_item_loss,
     train_memory_model,
 )
@@ -243,3 +245,22 @@ def test_bad_train_settings_are_rejected() -> None:
         train_memory_model(make_model(cfg), seqs, cfg.train)
     with pytest.raises(ValueError, match="lengths"):
         train_memory_model(make_model(tiny_config()), seqs, tiny_config().train, np.ones(3))
+
+
+def test_mean_targets_per_step_counts_segments() -> None:
+    lengths = np.array([3, 11, 2, 21])
+    # batches {0, 1}: 2 + 10 targets, longest 10 -> 2 steps of 5; {2, 3}: 1 + 20, 4 steps
+    got = mean_targets_per_step([np.array([0, 1]), np.array([2, 3])], lengths, segment=5)
+    assert got == (12 + 21) / (2 + 4)
+
+
+def test_target_loss_weight_trains_and_reports_the_mean_loss() -> None:
+    cfg = tiny_config(epochs=3, loss_weight="target")
+    model = make_model(cfg)
+    seqs = cyclic_seqs(n_users=16, n_items=N_ITEMS, max_len=24)
+    result = train_memory_model(model, seqs, cfg.train)
+    losses = [float(h["train_loss"]) for h in result.history]  # type: ignore[arg-type]
+    assert losses[-1] < losses[0]
+    assert all(0 < x < 2 * np.log(N_ITEMS) for x in losses)  # a mean cross-entropy
+    with pytest.raises(ValueError, match="train.loss_weight"):
+        check_train_config(tiny_config(loss_weight="user").train)

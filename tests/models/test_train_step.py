@@ -42,8 +42,9 @@ def segment(rng: np.random.Generator, b: int, t: int) -> SegmentBatch:
     )  # fmt: skip
 
 
-def plain_step(model, optim, seg, state):
-    """The gather form of the step (what MemoryEpoch._batch does)."""
+def plain_step(model, optim, seg, state, scale=1.0):
+    """The gather form of the step (what MemoryEpoch._batch does); ``scale`` multiplies the
+    loss that is back-propagated (train.loss_weight = target)."""
     t = lambda a: torch.as_tensor(a)  # noqa: E731
     res = model.advance(t(seg.items), t(seg.actions), t(seg.ts), t(seg.lengths), state,
                         request_ts=t(seg.request_ts))  # fmt: skip
@@ -52,10 +53,10 @@ def plain_step(model, optim, seg, state):
     tgt = t(seg.targets).reshape(-1).index_select(0, flat)
     loss = F.cross_entropy(user @ model.item_weight().T, tgt)
     optim.zero_grad()
-    loss.backward()
+    (loss * scale).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optim.step()
-    return loss.detach(), res.state.detach()
+    return (loss * scale).detach(), res.state.detach()
 
 
 def test_static_step_equals_the_plain_step() -> None:
@@ -79,3 +80,24 @@ def test_static_step_equals_the_plain_step() -> None:
                 torch.testing.assert_close(out.to_fields()[name][:3], x)
             assert int(out.pos[3:].abs().sum()) == 0 and float(out.S[3:].abs().sum()) == 0
         assert step.graph is None  # no capture off CUDA
+
+
+def test_static_step_with_a_norm_equals_the_scaled_plain_step() -> None:
+    """train.loss_weight = target: the step's loss is its targets' sum over a norm (the
+    epoch's mean targets per step), in both forms of the step."""
+    rng = np.random.default_rng(1)
+    a, b = model_pair("mac")
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    step = StaticSegmentStep(b, ob, B=4, T=8, device=torch.device("cpu"), graph=False)
+    state_a = a.init_state(3, "cpu").map(lambda x: x.double() if x.is_floating_point() else x)
+    state_b = None
+    for norm in (7.5, 30.0):
+        seg = segment(rng, 3, 7)
+        seg.norm = norm
+        n = float(seg.weights.sum())
+        la, state_a = plain_step(a, oa, seg, state_a, scale=n / norm)
+        lb, state_b = step.run(seg, state_b)
+        torch.testing.assert_close(lb, la)
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+            torch.testing.assert_close(pb, pa)
