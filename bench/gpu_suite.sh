@@ -33,6 +33,9 @@
 #   readout  model.readout = identity (the read-out head's last linear map removed), 3 seeds
 #            on ML-1M, ML-100K and synthetic, and seed 0 on completejourney with SASRec
 #            under the current recipe (the linear read-out's runs are the recipe plan's)
+#   lossweight  train.loss_weight = target (every target the same weight across steps), 3
+#            seeds on ML-1M, ML-100K and synthetic, seed 0 on completejourney, against the
+#            readout plan's runs of the default (step)
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -172,6 +175,15 @@ plan_readout() {  # the read-out head without its last linear map, against the r
     run_eval "readout-$d" "$d" 3 "$ident" --seeds 0,1,2 "${cap[@]}"
   done
   run_eval readout-completejourney completejourney 2 "sasrec,$ident" "${cap[@]}"
+}
+
+plan_lossweight() {  # each target the same weight across optimizer steps, the suite again
+  local cap=(--set train.max_seconds="${MAX_S:-600}") d
+  local tw='memory-proteus[train.loss_weight=target]'
+  for d in ml-1m ml-100k synthetic; do
+    run_eval "lossweight-$d" "$d" 3 "$tw" --seeds 0,1,2 "${cap[@]}"
+  done
+  run_eval lossweight-completejourney completejourney 1 "$tw" "${cap[@]}"
 }
 
 plan_final() {
