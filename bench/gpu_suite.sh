@@ -168,22 +168,24 @@ plan_recipe() {  # the default recipe (after the grid), every trained model of t
   run_eval recipe-completejourney-mem completejourney 1 "$MAC" "${cap[@]}"
 }
 
-plan_readout() {  # the read-out head without its last linear map, against the recipe plan
-  local cap=(--set train.max_seconds="${MAX_S:-600}") d
-  local ident='memory-proteus[model.readout=identity]'
+suite_variant() {  # suite_variant NAME SPEC [BESIDE]: SPEC with 3 seeds on ML-1M, ML-100K and
+  # synthetic, seed 0 on completejourney (with the models BESIDE it, comma-separated)
+  local name=$1 spec=$2 beside=${3:-} d
+  local cap=(--set train.max_seconds="${MAX_S:-600}")
   for d in ml-1m ml-100k synthetic; do
-    run_eval "readout-$d" "$d" 3 "$ident" --seeds 0,1,2 "${cap[@]}"
+    run_eval "$name-$d" "$d" 3 "$spec" --seeds 0,1,2 "${cap[@]}"
   done
-  run_eval readout-completejourney completejourney 2 "sasrec,$ident" "${cap[@]}"
+  local jobs=1
+  [ -n "$beside" ] && jobs=2
+  run_eval "$name-completejourney" completejourney "$jobs" "${beside:+$beside,}$spec" "${cap[@]}"
+}
+
+plan_readout() {  # the read-out head without its last linear map, against the recipe plan
+  suite_variant readout 'memory-proteus[model.readout=identity]' sasrec
 }
 
 plan_lossweight() {  # each target the same weight across optimizer steps, the suite again
-  local cap=(--set train.max_seconds="${MAX_S:-600}") d
-  local tw='memory-proteus[train.loss_weight=target]'
-  for d in ml-1m ml-100k synthetic; do
-    run_eval "lossweight-$d" "$d" 3 "$tw" --seeds 0,1,2 "${cap[@]}"
-  done
-  run_eval lossweight-completejourney completejourney 1 "$tw" "${cap[@]}"
+  suite_variant lossweight 'memory-proteus[train.loss_weight=target]'
 }
 
 plan_final() {
