@@ -12,9 +12,10 @@ a CUDA graph after a few eager warm-up steps on a side stream, and every later s
 its inputs into the graph's buffers and replays it.
 
 The same function runs eagerly on the CPU (tests compare it with the plain step); a capture
-that fails logs one warning and the step stays eager. Today the capture fails on the H200
-(``train.cuda_graphs`` is off by default): the backward of ``F.embedding`` reads the number
-of distinct rows on the host, and cumprod's backward checks its input for zeros on the host.
+that fails logs one warning and the step stays eager. The capture needs the fused training
+kernels (``memory.train_backend`` auto or triton on CUDA, the default): with the eager
+chunked form it fails, because cumprod's backward checks its input for zeros on the host.
+With the Triton kernels it was captured on the H200 (bench/results/train_h200_identity.json).
 """
 
 from __future__ import annotations
