@@ -40,9 +40,8 @@ class MemoryConfig:
     reference. auto (the default): triton on CUDA once it has matched chunk on a small check
     of the layer's sizes, chunk otherwise (and always on the CPU). chunk: the eager chunked
     form (the path the reports before 2026-12-02 trained with). triton: fused forward and
-    backward kernels (both rules); on an H200 they matched chunk to 3.7e-6 relative in
-    every parameter gradient of a training step, 1.6x its speed eagerly and 4.9x with
-    ``train.cuda_graphs`` (bench/results/train_h200_identity.json). fla_chunk: fla's
+    backward kernels (both rules), checked against chunk on the GPU (measured:
+    bench/results/train_h200_identity.json). fla_chunk: fla's
     chunk_kda with its backward (memory.momentum = false only). A fused path that fails
     logs one warning and the training goes on with chunk (models/memory/training.py)."""
     chunk_size: int = 16
@@ -172,8 +171,7 @@ class TrainConfig:
     captured once in a CUDA graph and replayed (models/train_step.py). The capture needs
     the fused training kernels (memory.train_backend auto or triton): the eager chunked
     form's backward reads values on the host (cumprod checks for zeros), and its capture
-    fails and falls back to eager steps. On an H200 with the Triton kernels, ML-1M trained
-    to its early stop in 129 s against SASRec's 149 s in the same run. Not with the
+    fails and falls back to eager steps (measured: reports/suite/fast-train/). Not with the
     sampled loss, proteus_ffn_mask or an adaptive unlock schedule (memory.unlock surprise |
     drift); no effect on the CPU."""
     proteus_ffn_mask: bool = False

@@ -330,10 +330,8 @@ class ServerConfig:
     """On a CUDA device, run the rank path's replay pass through CUDA graphs captured at
     start for every padded shape up to ``max_batch`` requests and 64 events
     (models/graphs.py), and the read-out (``read_user``) for every user count up to
-    ``max_batch``; larger ones run eagerly. Both are launch-bound on a GPU: on the H200 the
-    replay takes 0.5-1.0 ms in graphs against 3-7 ms eagerly, and the Ranker's step for 32
-    users 1.6 ms against 2.9 (docs/serving.md, "The replay pass computes no state"). No
-    effect on the CPU."""
+    ``max_batch``; larger ones run eagerly. Both are launch-bound on a GPU (measured:
+    bench/results/README.md, profile_rank_gpu_readout.json). No effect on the CPU."""
     freeze_gc: bool = True
     """When the service turns SERVING: one full garbage collection, then ``gc.freeze()``, so
     Python's cyclic collector never walks the long-lived heap (notes, tails, vocabulary)
