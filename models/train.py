@@ -444,7 +444,8 @@ class MemoryEpoch:
 
     def __call__(self, epoch: int, control: TrainControl) -> float:
         batches = length_batches(self.lengths, self.batch_size, self.rng)
-        self.ref_targets = mean_targets_per_step(batches, self.lengths, self.tcfg.segment_len)
+        if self.tcfg.loss_weight == "target":
+            self.ref_targets = mean_targets_per_step(batches, self.lengths, self.tcfg.segment_len)
         total, count = torch.zeros(()), 0
         bar = tqdm(batches, desc=f"epoch {epoch + 1}", unit="batch", leave=False)
         for users in bar:
@@ -545,7 +546,8 @@ class MemoryEpoch:
             )  # fmt: skip
             control.before_step()
             loss, state = self.static.run(seg, state)
-            loss = loss * (norm / max(n, 1))  # the mean over the step's targets, as reported
+            if self.tcfg.loss_weight == "target":
+                loss = loss * (norm / max(n, 1))  # reported: the mean over the step's targets
             loss_sum = loss_sum + loss * n
             n_total += n
             if control.after_step(loss, n):
@@ -558,9 +560,9 @@ def mean_targets_per_step(batches: list[np.ndarray], lengths: np.ndarray, segmen
     has n - 1 targets; a batch takes one step per segment of its longest user)."""
     targets = steps = 0
     for users in batches:
-        in_len = np.asarray(lengths)[users] - 1
+        in_len = lengths[users] - 1
         targets += int(in_len.sum())
-        steps += -(-int(in_len.max()) // segment) if len(users) else 0
+        steps += -(-int(in_len.max()) // segment)
     return max(targets / max(steps, 1), 1.0)
 
 

@@ -254,7 +254,7 @@ def test_mean_targets_per_step_counts_segments() -> None:
     assert got == (12 + 21) / (2 + 4)
 
 
-def test_target_loss_weight_trains_and_reports_the_mean_loss() -> None:
+def test_target_loss_weight_trains_and_is_checked() -> None:
     cfg = tiny_config(epochs=3, loss_weight="target")
     model = make_model(cfg)
     seqs = cyclic_seqs(n_users=16, n_items=N_ITEMS, max_len=24)
