@@ -36,6 +36,11 @@
 #   lossweight  train.loss_weight = target (every target the same weight across steps), 3
 #            seeds on ML-1M, ML-100K and synthetic, seed 0 on completejourney, against the
 #            readout plan's runs of the default (step)
+#   fastsuite  the suite on the fused training path (the defaults since 2026-12-01): the
+#            default model and train.loss_weight = target side by side, 3 seeds on ML-1M,
+#            ML-100K and synthetic, seed 0 on completejourney; with issue 12's Proteus
+#            controls on the new default: static (E = 1) on ML-1M and every schedule on
+#            ML-100K, 3 seeds
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -186,6 +191,21 @@ plan_readout() {  # the read-out head without its last linear map, against the r
 
 plan_lossweight() {  # each target the same weight across optimizer steps, the suite again
   suite_variant lossweight 'memory-proteus[train.loss_weight=target]'
+}
+
+plan_fastsuite() {  # the default and the target loss weight, in one run on the fused path
+  local cap=(--set train.max_seconds="${MAX_S:-600}") d
+  local both="$MAC,memory-proteus[train.loss_weight=target]"
+  for d in ml-1m ml-100k synthetic; do
+    run_eval "fs-$d" "$d" 6 "$both" --seeds 0,1,2 "${cap[@]}"
+    pack "fs-$d" "fs-$d"
+  done
+  run_eval fs-completejourney completejourney 2 "$both" "${cap[@]}"
+  pack fs-completejourney fs-completejourney
+  run_eval pr-ml-1m-static ml-1m 3 'memory-proteus[memory.n_blocks=1]' --seeds 0,1,2 "${cap[@]}"
+  pack pr-ml-1m-static pr-ml-1m-static
+  run_eval pr-ml-100k ml-100k 7 "$PR_100K" --seeds 0,1,2 "${cap[@]}"
+  pack pr-ml-100k pr-ml-100k
 }
 
 plan_final() {
