@@ -41,6 +41,9 @@
 #            ML-100K and synthetic, seed 0 on completejourney; with issue 12's Proteus
 #            controls on the new default: static (E = 1) on ML-1M and every schedule on
 #            ML-100K, 3 seeds
+#   fastsuite2  ML-1M (3 seeds) and completejourney (seed 0) again with both loss weights and
+#            fewer trainings at once (8), so that they reach their early stop (in fastsuite
+#            30 trainings shared the GPU and ML-1M's stopped at the guard)
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -206,6 +209,13 @@ plan_fastsuite() {  # the default and the target loss weight, in one run on the 
   pack pr-ml-1m-static pr-ml-1m-static
   run_eval pr-ml-100k ml-100k 7 "$PR_100K" --seeds 0,1,2 "${cap[@]}"
   pack pr-ml-100k pr-ml-100k
+}
+
+plan_fastsuite2() {  # fastsuite's ML-1M and completejourney, 8 trainings at once
+  local cap=(--set train.max_seconds="${MAX_S:-600}")
+  local both="$MAC,memory-proteus[train.loss_weight=target]"
+  run_eval fs2-ml-1m ml-1m 6 "$both" --seeds 0,1,2 "${cap[@]}"
+  run_eval fs2-completejourney completejourney 2 "$both" "${cap[@]}"
 }
 
 plan_final() {
