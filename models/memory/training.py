@@ -42,6 +42,8 @@ TRAIN_BACKENDS = ("auto", "chunk", "triton", "fla_chunk", "fla", "recurrent", "r
 FUSED = ("triton", "fla_chunk")
 CHECK_TOL = 1e-3
 """Relative error a fused path may show against the eager form in ``path_checked``."""
+CHECK_EVENTS = 133
+"""Most events per user in a check's inputs (``check_inputs``)."""
 
 _eager: ScanFn = memory_scan_chunk
 """The form every guard falls back to (typed loosely: it is called with a list of inputs)."""
@@ -223,13 +225,16 @@ def check_inputs(
 ) -> dict[str, Any]:
     """Random inputs for a check: users starting at position 0, just before a Proteus
     unlock and past the horizon, one with a single event and one with none (padding); any
-    further users start anywhere up to twice the horizon with 0 to T events."""
+    further users start anywhere up to twice the horizon (at most 2**30) with 0 to T
+    events. T is two unlock intervals, at most CHECK_EVENTS: the user starting 3 events
+    before an unlock crosses it either way, and a schedule whose unlocks lie far apart
+    (``memory.unlock = narrow``: 2**26 events) does not size the check by them."""
     delta = schedule_delta(n_blocks, horizon)
-    T = events if events is not None else 2 * delta + 5
+    T = events if events is not None else min(2 * delta + 5, CHECK_EVENTS)
     g = torch.Generator().manual_seed(seed)
     more = max(users - 4, 0)
     starts = [0, max(delta - 3, 0), horizon + 1, 1]
-    starts += torch.randint(0, 2 * horizon + 1, (more,), generator=g).tolist()
+    starts += torch.randint(0, min(2 * horizon, 2**30) + 1, (more,), generator=g).tolist()
     lens = [T, max(T - 7, 0), 1, 0] + torch.randint(0, T + 1, (more,), generator=g).tolist()
 
     def rnd(*shape: int) -> torch.Tensor:

@@ -373,3 +373,24 @@ def test_kernels_compile_for_hopper(tmp_path):
         text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_check_inputs_stay_small_when_unlocks_lie_far_apart(fresh_guard):
+    """memory.unlock = narrow runs the scan with a horizon of E * 2**26 events: the check
+    before a fused path's first use once sized its inputs by that interval (about 1.3e8
+    events per user) and the process was killed for memory. The inputs stay small, the
+    second user still crosses the unlock, and the whole check runs."""
+    from models.memory.schedule import NARROW_DELTA
+
+    sched = dict(n_blocks=16, horizon=16 * NARROW_DELTA)
+    inp = training.check_inputs(torch.device("cpu"), True, 2, 8, 4, **sched)
+    T = inp["q"].shape[1]
+    assert T <= training.CHECK_EVENTS
+    start, length = int(inp["pos0"][1]), int(inp["lengths"][1])
+    assert start < NARROW_DELTA <= start + length  # crosses the unlock
+    big = training.check_inputs(torch.device("cpu"), True, 2, 8, 4, users=40, **sched)
+    assert int((big["pos0"] + big["lengths"]).max()) < 2**31  # fits the kernels' int32
+    err = training.check_against_eager(
+        memory_scan_reference, torch.device("cpu"), True, 2, 8, 4, **sched
+    )
+    assert err < 1e-4
