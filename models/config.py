@@ -146,13 +146,14 @@ class TrainConfig:
     on the dataset suite's VALID, reports/suite/README.md)."""
     loss: str = "full"
     """full: full-softmax cross-entropy over the catalog; sampled: sampled softmax."""
-    loss_weight: str = "step"
-    """How the memory model weighs its training targets across optimizer steps. step: each
-    step's loss is the mean over its targets, so every step counts the same and a step over
-    a batch of short histories (few targets) weighs each of its targets more; target: each
+    loss_weight: str = "target"
+    """How the memory model weighs its training targets across optimizer steps. target: each
     step's loss is its targets' sum over the epoch's mean number of targets per step, so
-    every training target weighs the same. target is off by default until the dataset
-    suite has measured it (reports/suite/README.md, "Loss weight")."""
+    every training target weighs the same; step (the default before 2026-12-02): each
+    step's loss is the mean over its targets, so every step counts the same and a step over
+    a batch of short histories (few targets) weighs each of its targets more. target was
+    ahead on every dataset of the suite, paired on the same targets
+    (reports/suite/README.md, "Loss weight"). SASRec's training does not read it."""
     n_negatives: int = 1024
     """Negatives per step for the sampled softmax."""
     patience: int = 6
