@@ -44,6 +44,8 @@
 #   fastsuite2  ML-1M (3 seeds) and completejourney (seed 0) again with both loss weights and
 #            fewer trainings at once (8), so that they reach their early stop (in fastsuite
 #            30 trainings shared the GPU and ML-1M's stopped at the guard)
+#   narrow   issue 12's narrow schedule on ML-100K against uniform, 3 seeds, on the fused
+#            path (it could not run there before cb880fa)
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -216,6 +218,11 @@ plan_fastsuite2() {  # fastsuite's ML-1M and completejourney, 8 trainings at onc
   local both="$MAC,memory-proteus[train.loss_weight=target]"
   run_eval fs2-ml-1m ml-1m 6 "$both" --seeds 0,1,2 "${cap[@]}"
   run_eval fs2-completejourney completejourney 2 "$both" "${cap[@]}"
+}
+
+plan_narrow() {  # narrow against uniform on ML-100K, 3 seeds
+  run_eval narrow-ml-100k ml-100k 6 'memory-proteus,memory-proteus[memory.unlock=narrow]' \
+    --seeds 0,1,2 --set train.max_seconds="${MAX_S:-600}"
 }
 
 plan_final() {
