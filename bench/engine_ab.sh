@@ -6,11 +6,21 @@
 # tails and the NoteBank, IngestService on the consumer's thread, as LockedSink ran it), and
 # new `recmem ingest` (engine loop, NoteBank on, as serve ingests).
 # Usage: bench/engine_ab.sh OLD_TREE OUT_DIR [PAIRS] [PARTS]   PARTS: rank,ingest (default both)
+# NEW_SET="section.field=value ..." applies overrides to the new side only (both benchmarks),
+# e.g. the old tree's default model, so that only the engine differs between the arms:
+#   NEW_SET="$(bench/engine_ab.sh --old-model)" bench/engine_ab.sh OLD_TREE OUT 3
 set -euo pipefail
+if [ "${1:-}" = --old-model ]; then  # 755df0e's default model in today's settings
+  echo "model.hybrid=none model.request_time=none model.readout=linear model.dropout=0.1" \
+    "memory.n_heads=4 memory.key_dim=64 memory.value_dim=64"
+  exit 0
+fi
 old=$1; out=$2; pairs=${3:-3}; parts=${4:-rank,ingest}
 new=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 rank_args=(--concurrency 1,8 --replay 0,2 --shapes cand100,catalog --systems memory --seconds 3)
+new_set=()
+for kv in ${NEW_SET:-}; do new_set+=(--set "$kv"); done
 # old serve's ingest composition, timed by the old bench_ingest.py
 old_serve=$(cat <<'PY'
 import sys, torch
@@ -40,13 +50,14 @@ PY
 )
 for i in $(seq 1 "$pairs"); do
   for side in old new; do
-    tree=$old; [ "$side" = new ] && tree=$new
+    tree=$old; extra=()
+    if [ "$side" = new ]; then tree=$new; extra=("${new_set[@]}"); fi
     if [[ $parts == *rank* ]]; then
-      (cd "$tree" && PYTHONPATH=$tree .venv/bin/python bench/bench_rank.py "${rank_args[@]}" \
+      (cd "$tree" && PYTHONPATH=$tree .venv/bin/python bench/bench_rank.py "${rank_args[@]}" "${extra[@]}" \
         --json "$out/rank_${side}_$i.json" > "$out/rank_${side}_$i.log" 2>&1)
     fi
     if [[ $parts == *ingest* ]]; then
-      (cd "$tree" && PYTHONPATH=$tree .venv/bin/python bench/bench_ingest.py --events 0 \
+      (cd "$tree" && PYTHONPATH=$tree .venv/bin/python bench/bench_ingest.py --events 0 "${extra[@]}" \
         --tag "${side}_$i" --out "$out" > "$out/ingest_${side}_$i.log" 2>&1)
       if [ "$side" = old ]; then
         (cd "$old" && PYTHONPATH=$old .venv/bin/python -c "$old_serve" --events 0 --no-pipeline \
