@@ -85,7 +85,9 @@ def raw_rate(cfg: Config, n: int) -> dict[str, float]:
 
 
 def end_to_end(cfg: Config, n: int) -> dict[str, object]:
+    t_build = time.perf_counter()
     built = build_engine(cfg)
+    build_s = time.perf_counter() - t_build
     ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
     consumer = make_consumer(cfg.kafka, ingest)
     thread = threading.Thread(target=consumer.run, daemon=True)
@@ -131,6 +133,8 @@ def end_to_end(cfg: Config, n: int) -> dict[str, object]:
         "events_per_s": events / wall,
         "events_per_s_incl_final_checkpoint": events / (done - first),
         "group_join_s": first - t0,
+        "build_engine_s": build_s,
+        "compiled_step": built.engine.compiles,
         "batches": engine.totals.batches,
         "mean_events_per_batch": events / max(1, engine.totals.batches),
         "padded_user_steps_per_event": engine.seconds["user_steps"] / max(1, events),

@@ -9,11 +9,14 @@ exact no-ops on the state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
+from typing import Any
 
 import numpy as np
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
@@ -23,6 +26,8 @@ from models.features import previous_ts, time_gap_buckets
 from models.fusion import ReplayFusion, RouteProjection, check_fusion_config
 from models.hybrid import ReadHead
 from models.memory.adaptive_chunk import AdaptiveCall, adaptive_scan_chunk
+from models.memory.chunk_aligned import EAGER_CHUNK_OPS, ChunkOps, compiled_chunk_ops
+from models.memory.compiled import RowsDynamic
 from models.memory.ops import memory_readout, memory_scan, resolve_backend
 from models.memory.packed import memory_scan_packed
 from models.memory.recurrent import at_last_event, event_positions, masked_qk
@@ -237,31 +242,22 @@ class MemoryLayer(nn.Module):
         lengths: torch.Tensor,
         positions: torch.Tensor,
         return_kq: bool = False,
+        ops: PackedOps | None = None,
     ) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None
     ]:
         """``forward`` on packed events (``models/memory/packed.py``), no autograd, uniform
         schedule in prefix order: x [N, D], their lifetime ``positions`` [N]. Returns the
         output [N, D], S, M after the events and (k~, q~) [N, H, K] when asked."""
-        q, k, v, theta, eta, alpha = (
-            None if t is None else t[:, 0] for t in self.project(x[:, None])
-        )
-        assert q is not None and k is not None and v is not None
-        assert theta is not None and alpha is not None
+        ops = ops or EAGER_PACKED_OPS
+        q, k, v, theta, eta, alpha, kq = ops.layer_in(self, x, positions, return_kq)
         mem = self.mem
         y, S, M = memory_scan_packed(
             q, k, v, theta, eta, alpha, S0, M0, pos0, lengths,
             n_blocks=mem.n_blocks, horizon=self.sched.scan_horizon, qk_l2norm=mem.qk_l2norm,
-            chunk_size=mem.chunk_size,
+            chunk_size=mem.chunk_size, ops=ops.chunk,
         )  # fmt: skip
-        kq = None
-        if return_kq:
-            qt, kt, _ = masked_qk(
-                q[:, None], k[:, None], positions[:, None], mem.n_blocks,
-                self.sched.scan_horizon, mem.qk_l2norm,
-            )  # fmt: skip
-            kq = (kt[:, 0], qt[:, 0])
-        return self._mix(x[:, None], y[:, None])[:, 0], S, M, kq
+        return ops.layer_out(self, x, y), S, M, kq
 
     def forward_readout(
         self,
@@ -325,6 +321,64 @@ class MemoryLayer(nn.Module):
         return self._mix(x[:, None], y)[:, 0]
 
 
+def _packed_layer_in(
+    layer: MemoryLayer, x: torch.Tensor, positions: torch.Tensor, return_kq: bool
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor,
+    tuple[torch.Tensor, torch.Tensor] | None,
+]:  # fmt: skip
+    """A layer's projections of packed events x [N, D] (q, k [N, H, K], v [N, H, V], the
+    gates [N, H]) and, when asked, (k~, q~) [N, H, K] under the uniform schedule's mask at
+    their lifetime ``positions`` [N]."""
+    q, k, v, theta, eta, alpha = layer.project(x[:, None])
+    kq = None
+    if return_kq:
+        mem = layer.mem
+        qt, kt, _ = masked_qk(
+            q, k, positions[:, None], mem.n_blocks, layer.sched.scan_horizon, mem.qk_l2norm
+        )
+        kq = (kt[:, 0], qt[:, 0])
+    return (
+        q[:, 0], k[:, 0], v[:, 0], theta[:, 0], None if eta is None else eta[:, 0], alpha[:, 0],
+        kq,
+    )  # fmt: skip
+
+
+def _packed_layer_out(layer: MemoryLayer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A layer's output [N, D] from its input x [N, D] and the memory reads y [N, H, V]."""
+    return layer._mix(x[:, None], y[:, None])[:, 0]
+
+
+@dataclass(frozen=True)
+class PackedOps:
+    """The functions of ``advance_packed`` around the scan's data-dependent layout: the
+    plain ones (``EAGER_PACKED_OPS``) or graphs compiled once for every batch size
+    (``compiled_packed_ops``, models/memory/compiled.py)."""
+
+    layer_in: Callable[..., Any]
+    layer_out: Callable[..., torch.Tensor]
+    chunk: ChunkOps
+
+
+EAGER_PACKED_OPS = PackedOps(_packed_layer_in, _packed_layer_out, EAGER_CHUNK_OPS)
+
+
+def compiled_packed_ops(*, cpp_wrapper: bool = True) -> PackedOps:
+    """``PackedOps`` compiled once for every batch (models/memory/compiled.py); one set per
+    process, which every model shares (a new torch.compile wrapper would compile anew).
+    Made while torch.compile is disabled (``TORCH_COMPILE_DISABLE=1``), they run plainly."""
+    return _compiled_packed_ops(cpp_wrapper, bool(torch._dynamo.config.disable))
+
+
+@cache
+def _compiled_packed_ops(cpp_wrapper: bool, disabled: bool) -> PackedOps:
+    return PackedOps(
+        RowsDynamic(_packed_layer_in, cpp_wrapper=cpp_wrapper),
+        RowsDynamic(_packed_layer_out, cpp_wrapper=cpp_wrapper),
+        compiled_chunk_ops(cpp_wrapper=cpp_wrapper),
+    )
+
+
 class MemoryRecommender(nn.Module):
     """Event embedding -> L memory layers -> read-out head (models/hybrid.py: optional
     attention over the latest W events and the request's time) -> user vector; scores =
@@ -352,6 +406,9 @@ class MemoryRecommender(nn.Module):
         self.head = ReadHead(model)
         self.use_kjt = False
         """Look event features up through torchrec's KJT path (see EventEmbeddings)."""
+        self.packed_ops = EAGER_PACKED_OPS
+        """The functions ``advance_packed`` runs around its scan's layout: the plain ones, or
+        compiled ones (``compile_packed``)."""
         check_fusion_config(model.replay_fusion, model.replay_rank, model.route_dim, mem.key_dim)
         self.fusion: ReplayFusion | None = None
         self.route_proj: RouteProjection | None = None
@@ -446,6 +503,39 @@ class MemoryRecommender(nn.Module):
         sched = self.sched
         return not sched.adaptive and sched.order == "prefix" and self.mem_cfg.backend == "auto"
 
+    def compile_packed(self, *, cpp_wrapper: bool = True) -> None:
+        """Run ``advance_packed``'s dense parts and chunk algebra as torch.compile graphs
+        (``compiled_packed_ops``); ``warm_up_packed`` then makes the graphs."""
+        self.packed_ops = compiled_packed_ops(cpp_wrapper=cpp_wrapper)
+
+    @torch.no_grad()
+    def warm_up_packed(self, device: torch.device | str, max_rounds: int = 6) -> int:
+        """Run ``advance_packed`` on made-up batches of changing sizes (users of 1 to 40
+        events at positions across the schedule's unlocks) until one adds no compiled
+        graph, so that a compiled model (``compile_packed``) compiles now and not on the
+        first real batch; returns the rounds run. Leaves no trace in the model."""
+        from torch._dynamo.utils import counters
+
+        gen = torch.Generator().manual_seed(0)
+        horizon = max(1, self.sched.scan_horizon)
+        for r in range(max_rounds):
+            graphs = counters["stats"]["unique_graphs"]
+            B = 23 + 9 * r
+            lengths = torch.randint(1, 41, (B,), generator=gen)
+            lengths[: B // 3] = torch.randint(1, 4, (B // 3,), generator=gen)
+            T = int(lengths.max())
+            items = torch.randint(0, self.n_items, (B, T), generator=gen)
+            ts = torch.cumsum(torch.randint(1, 10**6, (B, T), generator=gen), 1)
+            state = self.init_state(B, device)
+            state.pos = torch.randint(0, 2 * horizon, (B,), generator=gen).to(device)
+            self.advance_packed(
+                items.to(device), torch.zeros_like(items).to(device), ts.to(device),
+                lengths.to(device), state, return_kq=True,
+            )  # fmt: skip
+            if r > 0 and counters["stats"]["unique_graphs"] == graphs:
+                return r + 1
+        return max_rounds
+
     @torch.no_grad()
     def advance_packed(
         self,
@@ -490,7 +580,7 @@ class MemoryRecommender(nn.Module):
             assert isinstance(layer, MemoryLayer)
             M0 = None if state.M is None else state.M[:, li]
             x, S, M, kq = layer.forward_packed(
-                x, state.S[:, li], M0, state.pos, lengths, positions, return_kq
+                x, state.S[:, li], M0, state.pos, lengths, positions, return_kq, self.packed_ops
             )
             Ss.append(S)
             Ms.append(M)

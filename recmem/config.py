@@ -152,6 +152,18 @@ class StateConfig:
     (``length_buckets``; for A/B); auto = on for the CPU path, off on the GPU. Needs the
     uniform schedule in prefix order (``memory.unlock`` = uniform, ``memory.block_order`` =
     prefix) and ``memory.backend`` = auto; other models run ``advance`` per piece."""
+    compile_step: str = "off"
+    """Engine step: on = the packed step's projections, feed-forward blocks and chunk
+    algebra run as torch.compile graphs (models/memory/compiled.py: one graph per function
+    for every batch size, no recompiles; the chunk loop as TorchScript), compiled when the
+    engine is built (a log line gives the seconds: about 15-30 s on two cores the first
+    time, about 5 s once inductor's on-disk cache holds them); the same results within fp32
+    rounding (docs/ingest.md, "The compiled step"). off = plain PyTorch; auto = on where the
+    packed step runs (the CPU), unless torch.compile is disabled (``TORCH_COMPILE_DISABLE=1``,
+    as the test suite sets). Off by default: in process it cut ``advance`` by about a
+    quarter, but end to end it measured -1 % to +11 % (four runs,
+    bench/results/ingest_cpu_compile.json), not worth the start-up and a C++ compiler at run
+    time."""
 
 
 @dataclass

@@ -121,6 +121,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "archive.routing": ("native", "lexical", "candidates"),
     "state.length_buckets": ("auto", "on", "off"),
     "state.packed_advance": ("auto", "on", "off"),
+    "state.compile_step": ("auto", "on", "off"),
     "kafka.on_topic_mismatch": ("fail", "earliest", "latest"),
     "kafka.on_offset_out_of_range": ("fail", "earliest", "latest"),
     "kafka.security_protocol": ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),

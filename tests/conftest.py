@@ -17,6 +17,11 @@ if not torch.cuda.is_available():
     # with torchrec installed) pulls triton in, so set it before any test module runs.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# torch.compile off for the suite (and the commands it starts): the engine's compiled CPU
+# step (state.compile_step auto or on) would compile at every engine built with a new model
+# shape, 15-30 s each on two cores; tests/models/test_memory_compiled.py turns it on itself.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
 from recmem.config import KafkaConfig
 from streams.admin import ensure_topics
 from streams.broker import EmbeddedBroker

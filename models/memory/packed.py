@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from models.memory.chunk_aligned import aligned_chunk_size, memory_scan_chunk_aligned_packed
+from models.memory.chunk_aligned import (
+    EAGER_CHUNK_OPS,
+    ChunkOps,
+    aligned_chunk_size,
+    memory_scan_chunk_aligned_packed,
+)
 from models.memory.ops import CPU_CHUNK_MIN_SIZE
 from models.memory.recurrent import memory_scan_recurrent
 
@@ -56,6 +61,7 @@ def memory_scan_packed(
     horizon: int,
     qk_l2norm: bool = True,
     chunk_size: int = 16,
+    ops: ChunkOps = EAGER_CHUNK_OPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(y [N, H, V], S, M) for packed events (module docstring): user b's events are rows
     sum(lengths[:b]) ... sum(lengths[:b + 1]) - 1. The inputs are not changed."""
@@ -75,6 +81,7 @@ def memory_scan_packed(
             S_g, M_g = memory_scan_chunk_aligned_packed(
                 q, k, v, theta, eta, alpha, S0[rows], m0, pos0[rows], lens, st, y,
                 n_blocks=n_blocks, horizon=horizon, qk_l2norm=qk_l2norm, chunk_size=chunk_size,
+                ops=ops,
             )  # fmt: skip
         else:
             # right-padded [B_g, T_g] copies of the group's rows; padding repeats the user's

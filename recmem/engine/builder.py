@@ -169,6 +169,8 @@ def build_engine(
         use_gpu=use_gpu_index, query_dim=model.route_dim,
     )  # fmt: skip
     engine = Engine(model, vocab, store, cfg, bank=bank, model_version=model_version)
+    if engine.compiles:
+        engine.compile_step()
     s = cfg.server
     ranker = Ranker(
         engine.model,

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch._dynamo
 
 from models.recommender import AdvanceResult, MemoryRecommender
 from models.state import MemoryState
@@ -260,6 +261,27 @@ class Engine:
         mode = self.cfg.state.packed_advance
         on = mode == "on" or (mode == "auto" and self.device.type == "cpu")
         return on and self.model.packs
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the packed step runs compiled (``state.compile_step``: on, or auto where
+        the packed step runs and torch.compile is not disabled)."""
+        mode = self.cfg.state.compile_step
+        return self.packs and (
+            mode == "on" or (mode == "auto" and not torch._dynamo.config.disable)
+        )
+
+    def compile_step(self) -> None:
+        """Compile the packed step (``compiles``) and make its graphs now, on made-up
+        batches, so that no real batch waits for a compilation; logs the seconds."""
+        t0 = time.perf_counter()
+        self.model.compile_packed()
+        rounds = self.model.warm_up_packed(self.device)
+        log.info(
+            "compiled the packed ingest step in %.1f s (%d warm-up batches)",
+            time.perf_counter() - t0,
+            rounds,
+        )
 
     def begin(self, plan: IngestPlan, rows: np.ndarray) -> Piece:
         """Gather the piece's users (may move users between tiers): a private copy."""
