@@ -156,14 +156,12 @@ class StateConfig:
     """Engine step: on = the packed step's projections, feed-forward blocks and chunk
     algebra run as torch.compile graphs (models/memory/compiled.py: one graph per function
     for every batch size, no recompiles; the chunk loop as TorchScript), compiled when the
-    engine is built (a log line gives the seconds: about 15-30 s on two cores the first
-    time, about 5 s once inductor's on-disk cache holds them); the same results within fp32
-    rounding (docs/ingest.md, "The compiled step"). off = plain PyTorch; auto = on where the
-    packed step runs (the CPU), unless torch.compile is disabled (``TORCH_COMPILE_DISABLE=1``,
-    as the test suite sets). Off by default: in process it cut ``advance`` by about a
-    quarter, but end to end it measured -1 % to +11 % (four runs,
-    bench/results/ingest_cpu_compile.json), not worth the start-up and a C++ compiler at run
-    time."""
+    engine is built (a log line gives the seconds; it needs a C++ compiler at run time);
+    the same results within fp32 rounding (docs/ingest.md, "The compiled step"). off =
+    plain PyTorch; auto = on where the packed step runs (the CPU), unless torch.compile is
+    disabled (``TORCH_COMPILE_DISABLE=1``, as the test suite sets). Off by default: its end
+    to end gain did not pay for its start-up (bench/results/README.md,
+    ingest_cpu_compile.json)."""
 
 
 @dataclass
