@@ -304,6 +304,18 @@ class CheckpointStore:
                               model_version, settings, notes, parent, source, generation,
                               owner)  # fmt: skip
             keep = self._commit(partition, name, generation)
+        except OSError as e:
+            self.blobs.delete_tree(prefix)
+            # a newer owner removes a stale writer's unfinished files (below): when they
+            # vanish under this write because the partition was claimed, it is refused
+            fence = self.fence(partition)
+            if fence.generation > generation:
+                raise Fenced(
+                    f"partition {partition}: checkpoint of generation {generation} refused"
+                    f" while writing ({type(e).__name__}); generation {fence.generation}"
+                    f" ({fence.owner or 'unknown'}) owns it"
+                ) from e
+            raise
         except BaseException:
             self.blobs.delete_tree(prefix)
             raise

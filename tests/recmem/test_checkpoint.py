@@ -335,6 +335,46 @@ def test_a_claim_fences_older_generations_at_write_time(request, location):
     assert store_for(request, location).fence(0).generation == 5
 
 
+def test_a_stale_write_whose_files_a_new_owner_removed_is_refused_not_raised(tmp_path):
+    """A member frozen between creating its checkpoint's folder and opening a file in it
+    (SIGSTOP in tests/test_scaleout.py) resumes after the new owner's first checkpoint has
+    removed that unfinished folder as a stale leftover: its open fails. That is the same
+    refusal as a fenced commit (Fenced, which ingest logs and counts), not an error that
+    stops the process."""
+    from recmem.checkpoint import Fenced
+
+    location = str(tmp_path / "ckpt")
+    stale = open_store(location)
+    write_gen(stale, 0, offset=10, generation=3)
+    owner_b = open_store(location)
+    real_put, calls = stale.blobs.put, []
+
+    def frozen_put(key, data):
+        calls.append(key)
+        if len(calls) != 2:
+            return real_put(key, data)
+        # the folder exists (the first file is in it); the new owner claims and writes
+        owner_b.claim(0, generation=5, owner="b:1")
+        write_gen(owner_b, 0, offset=30, generation=5)
+        assert not (tmp_path / "ckpt" / key).parent.exists(), "the leftover was not removed"
+        with open(tmp_path / "ckpt" / key, "wb") as f:  # where the frozen writer resumes
+            f.write(data)
+
+    stale.blobs.put = frozen_put
+    with pytest.raises(Fenced, match="refused while writing"):
+        write_gen(stale, 0, offset=20, generation=3)
+    assert owner_b.restore(0, settings=SET).next_offset == 30
+    # an error with no newer claim behind it is still an error
+    owner_c = open_store(location)
+
+    def failing_put(key, data):
+        raise FileNotFoundError(key)
+
+    owner_c.blobs.put = failing_put
+    with pytest.raises(FileNotFoundError):
+        write_gen(owner_c, 0, offset=40, generation=5)
+
+
 class RacingStore(CheckpointStore):
     """A writer that read the fence just before another member's claim landed (the window
     between the check and the manifest replace): ``claim_in_between`` runs the claim there."""
