@@ -46,6 +46,8 @@
 #            30 trainings shared the GPU and ML-1M's stopped at the guard)
 #   narrow   issue 12's narrow schedule on ML-100K against uniform, 3 seeds, on the fused
 #            path (it could not run there before cb880fa)
+#   round3   the default against SASRec, seed 0, trained equally long: ML-1M to both early
+#            stops and completejourney (4 at once); then drift against static on ML-1M, 3 seeds
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -223,6 +225,24 @@ plan_fastsuite2() {  # fastsuite's ML-1M and completejourney, 8 trainings at onc
 plan_narrow() {  # narrow against uniform on ML-100K, 3 seeds
   run_eval narrow-ml-100k ml-100k 6 'memory-proteus,memory-proteus[memory.unlock=narrow]' \
     --seeds 0,1,2 --set train.max_seconds="${MAX_S:-600}"
+}
+
+plan_round3() {  # the default against SASRec trained equally long (seed 0): ML-1M to both
+  # early stops (their time to it) and completejourney, 4 trainings at once; when ML-1M's pair
+  # is done, issue 12's best schedule (drift) against static on ML-1M, 3 seeds, with the
+  # guard's remaining time
+  local t0 cap=(--set train.max_seconds="${MAX_S:-1000}")
+  t0=$(date +%s)
+  run_eval r3-ml-1m ml-1m 2 "sasrec,$MAC" "${cap[@]}"
+  local pair=${PIDS[-1]}
+  run_eval r3-completejourney completejourney 2 "sasrec,$MAC" "${cap[@]}"
+  pack r3-ml-1m r3-ml-1m
+  pack r3-completejourney r3-completejourney
+  pack r3-pr-ml-1m r3-pr-ml-1m
+  wait "$pair"
+  local left=$(( ${MAX_S:-1000} - ($(date +%s) - t0) - 60 ))
+  run_eval r3-pr-ml-1m ml-1m 6 'memory-proteus[memory.n_blocks=1],memory-proteus[memory.unlock=drift]' \
+    --seeds 0,1,2 --set train.max_seconds="$left"
 }
 
 plan_final() {
