@@ -48,6 +48,7 @@
 #            path (it could not run there before cb880fa)
 #   round3   the default against SASRec, seed 0, trained equally long: ML-1M to both early
 #            stops and completejourney (4 at once); then drift against static on ML-1M, 3 seeds
+#   round3b  ML-1M: the default with seeds 1 and 2 and narrow with 3 seeds (round3 has static)
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -243,6 +244,13 @@ plan_round3() {  # the default against SASRec trained equally long (seed 0): ML-
   local left=$(( ${MAX_S:-1000} - ($(date +%s) - t0) - 60 ))
   run_eval r3-pr-ml-1m ml-1m 6 'memory-proteus[memory.n_blocks=1],memory-proteus[memory.unlock=drift]' \
     --seeds 0,1,2 --set train.max_seconds="$left"
+}
+
+plan_round3b() {  # round3's uniform (the default) with seeds 1 and 2, and narrow with 3 seeds,
+  # on ML-1M: with round3's static and seed 0, every Proteus control at its early stop
+  local cap=(--set train.max_seconds="${MAX_S:-430}")
+  run_eval r3b-uniform ml-1m 2 'memory-proteus' --seeds 1,2 "${cap[@]}"
+  run_eval r3b-narrow ml-1m 3 'memory-proteus[memory.unlock=narrow]' --seeds 0,1,2 "${cap[@]}"
 }
 
 plan_final() {
