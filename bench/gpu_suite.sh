@@ -49,6 +49,7 @@
 #   round3   the default against SASRec, seed 0, trained equally long: ML-1M to both early
 #            stops and completejourney (4 at once); then drift against static on ML-1M, 3 seeds
 #   round3b  ML-1M: the default with seeds 1 and 2 and narrow with 3 seeds (round3 has static)
+#   staticsuite  static against uniform on ML-100K, synthetic (3 seeds) and completejourney
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -251,6 +252,17 @@ plan_round3b() {  # round3's uniform (the default) with seeds 1 and 2, and narro
   local cap=(--set train.max_seconds="${MAX_S:-430}")
   run_eval r3b-uniform ml-1m 2 'memory-proteus' --seeds 1,2 "${cap[@]}"
   run_eval r3b-narrow ml-1m 3 'memory-proteus[memory.unlock=narrow]' --seeds 0,1,2 "${cap[@]}"
+}
+
+plan_staticsuite() {  # issue 12: static (E = 1) against uniform Proteus (the default) on the
+  # rest of the suite with today's recipe: 3 seeds on ML-100K and synthetic, seed 0 on
+  # completejourney (ML-1M: round3 and round3b); decides whether Proteus stays the default
+  local cap=(--set train.max_seconds="${MAX_S:-600}") d
+  local both="$MAC,memory-proteus[memory.n_blocks=1]"
+  for d in ml-100k synthetic; do
+    run_eval "st-$d" "$d" 6 "$both" --seeds 0,1,2 "${cap[@]}"
+  done
+  run_eval st-completejourney completejourney 2 "$both" "${cap[@]}"
 }
 
 plan_final() {
