@@ -217,6 +217,60 @@ def position_table(per_target: dict[str, np.ndarray]) -> dict[str, dict[str, Any
     return table
 
 
+RUN_ONLY_SETTINGS = {"train": ("seed", "max_seconds", "device")}
+"""Settings that may differ between the seeds of one model: the seed itself and what only
+limits or places a run (its time guard, its device)."""
+
+
+def _settings(unit: Unit) -> dict[str, Any]:
+    """The recorded settings of a unit's training as {"section.field": value}, without
+    RUN_ONLY_SETTINGS and the run's results (best step, history, ...): only the sections
+    that are dictionaries of settings (model, memory, train, archive, ...)."""
+    config = unit.get("config") or {}
+    out: dict[str, Any] = {}
+    for section, fields in config.items():
+        if not isinstance(fields, dict) or section in ("best_valid",):
+            continue
+        skip = RUN_ONLY_SETTINGS.get(section, ())
+        for field, value in fields.items():
+            if field not in skip and not isinstance(value, (dict, list)):
+                out[f"{section}.{field}"] = value
+    return out
+
+
+def _check_same_settings(name: str, by_seed: dict[Any, Unit], origin: dict[Any, Path]) -> None:
+    """Refuse to combine one model's seeds from runs that trained it differently (a default
+    that changed between the runs, under the same model name): the report would average
+    two models under one name. A setting recorded by one run only (an option added after
+    the other ran) counts as a difference: what the other run did is not known. Units
+    rebuilt from ranks files record no settings and are not compared."""
+    first: tuple[Any, dict[str, Any]] | None = None
+    for seed, unit in by_seed.items():
+        settings = _settings(unit)
+        if not settings:
+            continue
+        if first is None:
+            first = (seed, settings)
+            continue
+        seed0, ref = first
+        missing = "(not recorded)"
+        differ = sorted(
+            k
+            for k in ref.keys() | settings.keys()
+            if ref.get(k, missing) != settings.get(k, missing)
+        )
+        if differ:
+            shown = ", ".join(
+                f"{k}: {ref.get(k, missing)!r} vs {settings.get(k, missing)!r}" for k in differ[:4]
+            )
+            raise ValueError(
+                f"{name}: seed {seed0} (from {origin.get((name, seed0))}) and seed {seed} "
+                f"(from {origin.get((name, seed))}) were trained with different settings "
+                f"({shown}{', ...' if len(differ) > 4 else ''}); combine runs of one "
+                "configuration, or pick the seeds to keep by combining fewer runs"
+            )
+
+
 def combine_runs(
     run_dirs: list[Path], out: Path, models: list[str] | None = None
 ) -> tuple[dict[str, Any], dict[str, list[Unit]], dict[str, dict[str, Any]]]:
@@ -240,6 +294,7 @@ def combine_runs(
         )
     base: dict[str, Any] = json.loads((complete[0] / "summary.json").read_text())
     units: dict[str, dict[Any, Unit]] = {}
+    origin: dict[tuple[str, Any], Path] = {}  # (model, seed) -> the run its unit came from
     unavailable: dict[str, dict[str, Any]] = {}
     for d in map(Path, run_dirs):
         path = d / "summary.json"
@@ -256,7 +311,9 @@ def combine_runs(
                 unit["ranks"] = _copy_ranks(
                     f.parent.parent, f"{RANKS_DIR}/{f.name}", out, unit["label"], unit["seed"]
                 )
-                units.setdefault(unit.pop("label"), {})[unit["seed"]] = unit
+                label = unit.pop("label")
+                units.setdefault(label, {})[unit["seed"]] = unit
+                origin[label, unit["seed"]] = d
             continue
         s = json.loads(path.read_text())
         if (s["dataset"], s["split"]) != (base["dataset"], base["split"]):
@@ -275,11 +332,14 @@ def combine_runs(
                 if unit["ranks"]:
                     unit["ranks"] = _copy_ranks(d, unit["ranks"], out, name, unit["seed"])
                 units.setdefault(name, {})[unit["seed"]] = unit
+                origin[name, unit["seed"]] = d
     if models is not None:
         missing = [m for m in models if m not in units]
         if missing:
             raise ValueError(f"model(s) {missing} are in none of the runs; found {sorted(units)}")
         units = {m: units[m] for m in models}
+    for name, by_seed in units.items():
+        _check_same_settings(name, by_seed, origin)
     summary = {k: v for k, v in base.items() if k not in ("models", "intervals")}
     summary["combined_from"] = [str(d) for d in run_dirs]
     picked_unavailable = {m: e for m, e in unavailable.items() if m in units and not units[m]}

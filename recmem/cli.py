@@ -262,8 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "--from-runs",
                 metavar="DIR[,DIR...]",
                 help="train nothing: combine earlier runs (same split; e.g. one per seed) into "
-                "one report in --out, a model's runs with different seeds as its seeds; "
-                "--models picks and orders the entries",
+                "one report in --out, a model's runs with different seeds as its seeds (refused "
+                "when they trained it with different settings); --models picks and orders "
+                "the entries",
             )
         if name == "ingest":
             p.add_argument(

@@ -226,3 +226,45 @@ def test_from_runs_recovers_a_stopped_run_from_its_ranks_files(tmp_path: Path) -
         combine_runs([tmp_path / "s1"], tmp_path / "x")
     with pytest.raises(ValueError, match="neither summary.json nor ranks files"):
         combine_runs([tmp_path / "s0", tmp_path / "cache"], tmp_path / "x")
+
+
+@pytest.mark.usefixtures("probe_models")
+def test_from_runs_refuses_one_model_trained_two_ways(tmp_path: Path) -> None:
+    """Seeds of one model name from runs that trained it differently (a default changed
+    between the runs) are refused, not averaged; the seed and the time guard may differ."""
+    base = seed_runs(tmp_path)
+
+    def record(run: str, **train_or_model: object) -> None:
+        path = tmp_path / run / "summary.json"
+        s = json.loads(path.read_text())
+        entry = s["models"]["noisy-pop"]
+        configs = [u["config"] for u in entry.get("per_seed", {}).values()] or [entry["config"]]
+        for key, value in train_or_model.items():
+            section, field = key.split("__")
+            for config in configs:
+                config.setdefault(section, {})[field] = value
+        path.write_text(json.dumps(s))
+
+    record("s0", model__readout="identity", train__max_seconds=600.0)
+    record("s1", model__readout="identity", train__max_seconds=980.0)
+    summary, units, _ = combine_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "ok")
+    assert [u["seed"] for u in units["noisy-pop"]] == [0, 1]
+    record("s1", model__readout="linear")
+    with pytest.raises(
+        ValueError, match=r"noisy-pop: seed 0 .*seed 1 .*model\.readout: 'identity' vs 'linear'"
+    ):
+        combine_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "x")
+    record("s1", model__readout="identity", train__loss_weight="target")  # an option s0 lacks
+    with pytest.raises(ValueError, match=r"train\.loss_weight: '\(not recorded\)' vs 'target'"):
+        combine_runs([tmp_path / "s0", tmp_path / "s1"], tmp_path / "x")
+    runs = f"{tmp_path / 's0'},{tmp_path / 's1'}"
+    assert main(["eval", "--from-runs", runs, "--out", str(tmp_path / "cli")]) == 2
+    assert not (tmp_path / "cli" / "summary.json").exists()
+    # a later run that replaces every seed of the earlier one is one configuration
+    assert (
+        main([*base, "--models", "noisy-pop", "--seeds", "0,1", "--out", str(tmp_path / "s01")])
+        == 0
+    )
+    record("s01", model__readout="linear")
+    summary, units, _ = combine_runs([tmp_path / "s0", tmp_path / "s01"], tmp_path / "y")
+    assert [u["config"]["model"]["readout"] for u in units["noisy-pop"]] == ["linear", "linear"]
