@@ -222,14 +222,19 @@ RUN_ONLY_SETTINGS = {"train": ("seed", "max_seconds", "device")}
 limits or places a run (its time guard, its device)."""
 
 
+SETTINGS_SECTIONS = ("model", "memory", "train", "sasrec", "notebank")
+"""The sections of a unit's recorded configuration that hold settings (the others hold the
+run's results: best step, validation history, replay timings)."""
+
+
 def _settings(unit: Unit) -> dict[str, Any]:
-    """The recorded settings of a unit's training as {"section.field": value}, without
-    RUN_ONLY_SETTINGS and the run's results (best step, history, ...): only the sections
-    that are dictionaries of settings (model, memory, train, archive, ...)."""
+    """The recorded settings of a unit's training as {"section.field": value}: the scalar
+    fields of SETTINGS_SECTIONS, without RUN_ONLY_SETTINGS."""
     config = unit.get("config") or {}
     out: dict[str, Any] = {}
-    for section, fields in config.items():
-        if not isinstance(fields, dict) or section in ("best_valid",):
+    for section in SETTINGS_SECTIONS:
+        fields = config.get(section)
+        if not isinstance(fields, dict):
             continue
         skip = RUN_ONLY_SETTINGS.get(section, ())
         for field, value in fields.items():
