@@ -288,7 +288,7 @@ class Ranker:
         self._by_popularity = np.argsort(-self.popularity, kind="stable")
         self.batches = 0
         """Micro-batches ranked so far."""
-        self.seconds = dict.fromkeys(("snapshot", "route", "replay", "score"), 0.0)
+        self.seconds = dict.fromkeys(("snapshot", "route", "replay", "readout", "score"), 0.0)
         """Wall time spent so far per step of ``rank`` (host clock: on a GPU the kernels of
         one step may finish in a later one, where the results are copied back)."""
         self.cache = replay_cache
@@ -433,6 +433,7 @@ class Ranker:
         did_replay = torch.as_tensor(
             [bool(notes[i]) or i in hits for i in range(len(queries))], device=self.device
         )
+        clock = self._lap("replay", clock)
         request_ts = self._request_ts(queries)
         if self.readouts is not None:
             vectors = self.readouts(state, request_ts, live, replayed, did_replay)
@@ -440,7 +441,7 @@ class Ranker:
             vectors = self.model.read_user(
                 state, request_ts, mem=live, replayed=replayed, replayed_ok=did_replay
             )
-        self._lap("replay", clock)
+        self._lap("readout", clock)
         return UserVectors(
             vectors=vectors,
             positions=[int(p) for p in live_pos],

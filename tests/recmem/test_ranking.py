@@ -205,3 +205,14 @@ def test_live_state_is_unchanged_by_many_rank_calls(env: RankEnv) -> None:
         a, b = getattr(before, name), getattr(after, name)
         assert torch.equal(a, b), name
         assert a.view(torch.uint8).numpy().tobytes() == b.view(torch.uint8).numpy().tobytes()
+
+
+def test_step_timers_count_each_step_once(env: RankEnv) -> None:
+    """``Ranker.seconds`` times the read-out as its own step, apart from the replay (the
+    replay timer used to include it)."""
+    before = dict(env.ranker.seconds)
+    env.ranker.rank([RankQuery("user1", k=5, request_ts_ms=REQUEST_TS)])
+    spent = {k: v - before.get(k, 0.0) for k, v in env.ranker.seconds.items()}
+    assert set(spent) == {"snapshot", "route", "replay", "readout", "score"}
+    assert all(v >= 0.0 for v in spent.values())
+    assert spent["readout"] > 0.0
