@@ -15,7 +15,8 @@ user, each user's targets in time order):
 - ``is_recent``, ``is_long_term``, ``is_new``, ``is_repeat`` bool: the strata;
 - scalars ``label`` (the model spec, e.g. ``memory-proteus[memory.n_blocks=4]``), ``seed``
   (its ``train.seed``; -1 for a model that takes none, such as ``pop``), ``dataset``,
-  ``format`` (1).
+  ``format`` (1), and ``config`` (the model's recorded configuration as JSON, the same as
+  its summary.json entry's ``config``; files written before 2026-12-02 have none).
 
 File names keep only ``[A-Za-z0-9._-]`` of the label (plus a short hash of the label when
 something was replaced, so two labels never share a file) and end in ``.seed<k>.npz`` for a
@@ -25,6 +26,7 @@ seeded model, e.g. ``ranks/sasrec.seed0.npz``, ``ranks/pop.npz``.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -65,9 +67,10 @@ def save_ranks(
     dataset: str,
     per_target: dict[str, np.ndarray],
     global_idx: np.ndarray,
+    config: dict[str, Any] | None = None,
 ) -> None:
     """Write ``evaluate(..., return_per_target=True)["per_target"]`` (plus the targets'
-    global indices) to ``path`` atomically."""
+    global indices and the model's recorded ``config``) to ``path`` atomically."""
     arrays = {"global_idx": global_idx, **per_target}
     if "loss" not in arrays:
         arrays["loss"] = np.full(per_target["ranks"].shape[0], np.nan)
@@ -78,6 +81,8 @@ def save_ranks(
         dataset=np.array(dataset),
         format=np.array(RANKS_FORMAT, dtype=np.int64),
     )
+    if config is not None:
+        data["config"] = np.array(json.dumps(config))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -86,8 +91,8 @@ def save_ranks(
 
 
 def load_ranks(path: Path) -> dict[str, Any]:
-    """The arrays of a ranks file, with ``label`` and ``dataset`` as str and ``seed`` as int
-    or None."""
+    """The arrays of a ranks file, with ``label`` and ``dataset`` as str, ``seed`` as int
+    or None and ``config`` as a dict (None in files that recorded none)."""
     with np.load(path, allow_pickle=False) as z:
         if int(z["format"]) != RANKS_FORMAT:
             raise ValueError(f"{path}: ranks format {int(z['format'])}, expected {RANKS_FORMAT}")
@@ -96,4 +101,5 @@ def load_ranks(path: Path) -> dict[str, Any]:
         out.update(
             label=str(z["label"]), dataset=str(z["dataset"]), seed=None if seed == NO_SEED else seed
         )
+        out["config"] = json.loads(str(z["config"])) if "config" in z.files else None
     return out

@@ -248,7 +248,7 @@ def _check_same_settings(name: str, by_seed: dict[Any, Unit], origin: dict[Any, 
     that changed between the runs, under the same model name): the report would average
     two models under one name. A setting recorded by one run only (an option added after
     the other ran) counts as a difference: what the other run did is not known. Units
-    rebuilt from ranks files record no settings and are not compared."""
+    rebuilt from ranks files that recorded no configuration are not compared."""
     first: tuple[Any, dict[str, Any]] | None = None
     for seed, unit in by_seed.items():
         settings = _settings(unit)
@@ -354,8 +354,9 @@ def combine_runs(
 def unit_from_ranks(path: Path, dataset: str, n_targets: int | None = None) -> Unit:
     """The unit (plus its ``label``) of one ranks file, for a run that never wrote its
     summary: the TEST metrics overall, per stratum and per position bucket are recomputed
-    from the per-target ranks; the configuration is only what the label says (its overrides),
-    and the training and evaluation times are unknown (None). Raises ValueError for a file
+    from the per-target ranks; the configuration is the one the file recorded (files written
+    before configurations were recorded: only what the label says, its kind guessed from the
+    name), and the training and evaluation times are unknown (None). Raises ValueError for a file
     of another dataset, or (``n_targets``: the complete runs' TEST target count) of another
     split of it."""
     r = load_ranks(path)
@@ -370,8 +371,12 @@ def unit_from_ranks(path: Path, dataset: str, n_targets: int | None = None) -> U
     name, _, rest = label.partition("[")
     unit: Unit = {"overall": metrics_from_ranks(r["ranks"])}
     unit.update({s: metrics_from_ranks(r["ranks"][r[f"is_{s}"]]) for s in STRATA})
+    recorded = r["config"] or {
+        # files written before the configuration was recorded: the label is all there is
+        "kind": "memory" if name.startswith("memory") else name
+    }
     config: dict[str, Any] = {
-        "kind": "memory" if name.startswith("memory") else name,
+        **recorded,
         "recovered": f"from {path.name}: the run stopped before its summary",
     }
     overrides = [o.strip() for o in rest.rstrip("]").split(";") if o.strip()]

@@ -205,6 +205,7 @@ def _evaluate_unit(spec: str, seed: int | None, cfg: Config, split: TimeSplit, o
         dataset=split.dataset,
         per_target=per_target,
         global_idx=split.seqs.global_idx[per_target["rows"]],
+        config=unit["config"],
     )
     unit.update(seed=seed, ranks=rel, by_position=position_table(per_target))
     if "planted" in res:

@@ -211,6 +211,9 @@ def test_from_runs_recovers_a_stopped_run_from_its_ranks_files(tmp_path: Path) -
         assert noisy["spread"][group] == pytest.approx(row)
     assert json.dumps(got["intervals"]["models"]) == json.dumps(whole["intervals"]["models"])
     assert "recovered" in noisy["per_seed"]["1"]["config"]
+    # the ranks file recorded the model's configuration: its kind is not guessed from the name
+    assert noisy["per_seed"]["1"]["config"]["kind"] == "memory"
+    assert noisy["per_seed"]["1"]["config"]["train"] == {"seed": 1}
     assert noisy["per_seed"]["1"]["train_seconds"] is None
     # a ranks file of another split (here: one target fewer) is refused, not paired
     ranks_file = next((tmp_path / "s1" / "jobs" / "0" / "ranks").glob("noisy-pop*.npz"))
