@@ -26,7 +26,10 @@ cost of a forwarded Rank (issue 13's goals), measured with real `recmem serve` p
 
 Writes bench/results/scaleout_cpu.json (or --json) with the machine, date, commit, command,
 configuration, per-kill figures (detection: until the survivors' map changed; restores from
-the logs; the handoff) and the goals.
+the logs; the handoff and its phases from the survivors' logs: the heartbeat answer that told
+the first survivor of the rebalance, the JoinGroups sent (one per round), each moved
+partition assigned, restored and serving, then the probes' first right answer) and the
+goals.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import argparse
 import json
 import logging
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -161,6 +165,78 @@ def restore_seconds(log_text: str, since_line: int) -> list[float]:
     return out
 
 
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+JOIN_SENT = "(Re-)joining group"
+TOLD = "is rebalancing; rejoining"
+JOINED = "Successfully joined group"
+ASSIGNED = re.compile(r"partitions \[([\d, ]+)\] assigned; restoring in the background")
+RESTORED = re.compile(r"partition (\d+): restored .* in ([\d.]+) s$")
+
+
+def log_events(text: str, since_line: int, t0: float) -> list[tuple[float, str]]:
+    """(seconds since the wall-clock time ``t0``, message) of each timestamped log line
+    after ``since_line`` (the members log local time with milliseconds)."""
+    out = []
+    for line in text.splitlines()[since_line:]:
+        m = LOG_TIME.match(line)
+        if m:
+            t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - t0
+            out.append((t, line[m.end() :]))
+    return out
+
+
+def handoff_phases(
+    logs: dict[int, list[tuple[float, str]]], moved: list[int], handoff: float
+) -> dict:
+    """Where one handoff's time went, from the survivors' logs (seconds after the kill):
+    the first survivor told of the rebalance by a heartbeat answer (the broker noticed the
+    missing member: its session timeout), JoinGroups sent and how many each survivor sent
+    (one per rebalance round), the last JoinGroup answered, each moved partition assigned
+    (its SyncGroup answered), restored and serving, and the probes' first right answer
+    after it. ``breakdown_s`` splits the handoff into consecutive spans along the slowest
+    path (they add up to it)."""
+    told = [t for ev in logs.values() for t, msg in ev if TOLD in msg]
+    joins = {i: [t for t, msg in ev if JOIN_SENT in msg] for i, ev in logs.items()}
+    joined = {i: [t for t, msg in ev if JOINED in msg] for i, ev in logs.items()}
+    assigned: dict[int, float] = {}
+    serving: dict[int, float] = {}
+    events = sorted(e for ev in logs.values() for e in ev)
+    for t, msg in events:
+        if m := ASSIGNED.search(msg):
+            for p in (int(x) for x in m.group(1).split(",")):
+                assigned.setdefault(p, t)
+    for _t, msg in events:
+        # the restore's own seconds (the line itself may come a consumer poll later)
+        if (m := RESTORED.search(msg)) and int(m.group(1)) in assigned:
+            p = int(m.group(1))
+            serving.setdefault(p, assigned[p] + float(m.group(2)))
+    first_join = min((ts[0] for ts in joins.values() if ts), default=None)
+    last_joined = max((ts[-1] for ts in joined.values() if ts), default=None)
+    told_s = min(told, default=None)
+    last_assigned = max((assigned[p] for p in moved if p in assigned), default=None)
+    last_serving = max((serving[p] for p in moved if p in serving), default=None)
+
+    def span(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round(b - a, 3)
+
+    return {
+        "told_s": None if told_s is None else round(told_s, 3),
+        "join_sent_s": {i: round(ts[0], 3) for i, ts in joins.items() if ts},
+        "join_rounds": {i: len(ts) for i, ts in joins.items()},
+        "joingroup_answered_s": {i: round(ts[-1], 3) for i, ts in joined.items() if ts},
+        "assigned_s": {p: round(t, 3) for p, t in sorted(assigned.items()) if p in moved},
+        "serving_s": {p: round(t, 3) for p, t in sorted(serving.items()) if p in moved},
+        "breakdown_s": {
+            "expiry": None if told_s is None else round(told_s, 3),
+            "to_joingroup": span(told_s, first_join),
+            "joingroup": span(first_join, last_joined),
+            "syncgroup": span(last_joined, last_assigned),
+            "restore": span(last_assigned, last_serving),
+            "to_first_right_answer": span(last_serving, handoff),
+        },
+    }
+
+
 def kill_once(
     cluster: Cluster, users: list[str], counts, ends, partitions: int, rng, probe_users: int
 ) -> dict:
@@ -177,6 +253,7 @@ def kill_once(
     prober = probe(cluster, survivors, probed + kept)
     time.sleep(1.0)
     killed_at = time.monotonic() - prober.t0
+    killed_wall = time.time()
     cluster.kill(victim)
     detected = None
     try:
@@ -198,6 +275,8 @@ def kill_once(
     kinds = tally(after, counts)
     kept_not_ok = sum(1 for a in after if a.user in kept and kind(a, counts) != "ok")
     restores = [s for i in survivors for s in restore_seconds(cluster.instances[i].log(), lines[i])]
+    logs = {i: log_events(cluster.instances[i].log(), lines[i], killed_wall) for i in survivors}
+    phases = handoff_phases(logs, moved, handoff)
     # the killed member joins again (a cooperative join moves partitions back): probed too
     lines_back = len(cluster.instances[victim].log().splitlines())
     prober = probe(cluster, survivors, probed + kept)
@@ -220,6 +299,7 @@ def kill_once(
         "restored_partitions": len(restores),
         "handoff_s": round(handoff, 3),
         "handoff_median_user_s": round(statistics.median(firsts[u] for u in probed) - killed_at, 3),
+        "phases": phases,
         "answers_after_kill": kinds,
         "silent_cold_starts": kinds.get("silent", 0),
         "survivor_users_not_ok": kept_not_ok,
@@ -325,6 +405,7 @@ def main() -> None:
                 finally:
                     cluster.close()
                 handoffs = [k["handoff_s"] for k in kills]
+                breakdowns = [k["phases"]["breakdown_s"] for k in kills]
                 silent = sum(
                     k["silent_cold_starts"] + k["rejoin"]["silent_cold_starts"] for k in kills
                 )
@@ -339,6 +420,12 @@ def main() -> None:
                         "handoff_max_s": max(handoffs),
                         "handoff_goal_s": session_ms / 1000 + 2,
                         "handoff_goal_met_all": max(handoffs) <= session_ms / 1000 + 2,
+                        "handoff_breakdown_median_s": {
+                            phase: round(statistics.median(v), 3) if v else None
+                            for phase in breakdowns[0]
+                            for v in [[b[phase] for b in breakdowns if b[phase] is not None]]
+                        },
+                        "join_rounds": [k["phases"]["join_rounds"] for k in kills],
                         "silent_cold_starts": silent,
                     }
                 )

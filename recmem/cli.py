@@ -110,9 +110,17 @@ def _cmd_eval(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def _log_group_changes(args: argparse.Namespace) -> None:
+    """A consumer group member logs its group's joins and rebalances at INFO (kafka-python's
+    group coordinator: a few lines per rebalance; the rest of kafka stays quiet unless -v)."""
+    if not args.verbose:
+        logging.getLogger("kafka.coordinator").setLevel(logging.INFO)
+
+
 def _cmd_ingest(args: argparse.Namespace, cfg: Config) -> int:
     from recmem.ingest import run_ingest
 
+    _log_group_changes(args)
     built, totals = run_ingest(cfg, init_model=args.init_model)
     print(
         f"ingest stopped: {built.engine.totals.events} events applied in {totals.batches} "
@@ -172,6 +180,7 @@ def _cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
 def _cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
     from recmem.server.serve import run_serve
 
+    _log_group_changes(args)
     return run_serve(cfg, init_model=args.init_model, ingest=not args.no_ingest)
 
 

@@ -79,6 +79,8 @@ class _Restore:
     future: Future[PartitionCheckpoint | None] | None = None
     cancelled: bool = False
     started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    """When the partition began to serve (its install on the loop done)."""
 
 
 @dataclass
@@ -224,6 +226,7 @@ class KafkaIngest:
                 return None
             install = self.loop.run_task(partial(_install, partition=p, ckpt=ckpt))
         install.result()
+        job.finished = time.monotonic()
         return ckpt
 
     def restored(self) -> dict[int, Resume]:
@@ -245,7 +248,8 @@ class KafkaIngest:
                 continue
             except LoopStopped as e:
                 raise RuntimeError(f"the engine stopped: {e}") from e.__cause__ or e
-            out[p] = self._adopted(p, ckpt, time.monotonic() - job.started)
+            # the restore's own time (the consumer may ask for it a poll later)
+            out[p] = self._adopted(p, ckpt, (job.finished or time.monotonic()) - job.started)
         if self._on_ready is not None and out and not self._restoring:
             self._on_ready()
             self._on_ready = None

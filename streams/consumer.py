@@ -105,6 +105,7 @@ class EventConsumer(BaseConsumer):
         assert self._consumer is not None
         cfg = self.cfg
         try:
+            self._finish_rebalance()
             got = self._consumer.poll(timeout_ms=cfg.max_wait_ms, max_records=cfg.max_poll_records)
         except NoOffsetForPartitionError as e:
             # a partition the sink left out with no committed offset either: the earliest
@@ -129,6 +130,24 @@ class EventConsumer(BaseConsumer):
             tp.partition: [(r.offset, r.key, r.value) for r in records]
             for tp, records in got.items()
         }
+
+    def _finish_rebalance(self) -> None:
+        """While the member has to (re)join its group, wait for the join and sync to finish
+        (up to ``session_timeout_ms``) instead of in ``max_wait_ms`` slices.
+
+        kafka-python 3.0.12 runs JoinGroup + SyncGroup as one task that a poll awaits; a
+        task that completes while no poll awaits it (between two polls, or just after a
+        poll's timeout) is dropped and the member sends a new JoinGroup: a whole extra
+        rebalance round. With short polls that happens often, and on brokers that answer
+        JoinGroup in whole seconds (tansu) almost every time, since the answer lands on a
+        poll boundary. One long wait per join leaves no such boundary."""
+        assert self._consumer is not None
+        coordinator = getattr(self._consumer, "_coordinator", None)
+        if coordinator is None or not coordinator.need_rejoin():
+            return
+        wait_ms = max(self.cfg.max_wait_ms, self.cfg.session_timeout_ms)
+        if not coordinator.ensure_active_group(timeout_ms=wait_ms):
+            log.info("still joining group %s after %d ms", self.cfg.group_id, wait_ms)
 
     def _close(self) -> None:
         consumer, self._consumer = self._consumer, None

@@ -334,7 +334,10 @@ class BaseConsumer(ABC):
         now = [p for p in partitions if p not in later]
         resumes = {p: as_resume(r) for p, r in answers.items() if p in now}
         try:
-            seeks = self._checked_seeks(now, resumes)
+            # partitions restored in the background are checked when they resume: opening
+            # the probe's client here would only hold up this callback (and, through the
+            # GIL, the restore threads) while the moved users wait
+            seeks = self._checked_seeks(now, resumes) if now else {}
         except PositionError as e:
             self._position_error = e  # a client may wrap what a rebalance callback raises
             raise
