@@ -406,31 +406,37 @@ class EngineLoop:
                 fut.set_exception(PartitionUnavailable(partition))
                 continue
             live.append((q, fut))
+        outcome: Sequence[RankResult] | Exception = []
         if live:
             began = time.perf_counter()
             try:
-                results = self.ranker.rank([q for q, _ in live])
-                if len(results) != len(live):
+                outcome = self.ranker.rank([q for q, _ in live])
+                if len(outcome) != len(live):
                     raise RuntimeError(
-                        f"rank returned {len(results)} results for {len(live)} requests"
+                        f"rank returned {len(outcome)} results for {len(live)} requests"
                     )
             except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the loop
                 log.exception("rank batch of %d failed", len(live))
-                for _, fut in live:
-                    fut.set_exception(exc)
-            else:
-                for (_, fut), res in zip(live, results):
-                    fut.set_result(res)
-            finally:
-                c = self.counts
-                c.busy_seconds += time.perf_counter() - began
-                c.batches += 1
-                c.requests += len(live)
-                c.largest_batch = max(c.largest_batch, len(live))
-                for fn in self._observers:
-                    fn(len(live))
+                outcome = exc
+            c = self.counts
+            c.busy_seconds += time.perf_counter() - began
+            c.batches += 1
+            c.requests += len(live)
+            c.largest_batch = max(c.largest_batch, len(live))
+        # Count what queued while the batch ran before its callers get their answers: a
+        # caller's next request, sent on its answer, did not queue meanwhile, and counting
+        # it would make the next batch wait out the window for more requests than there are
+        # callers.
         self._take(block=False)
         self._expected = max(1, len(live) + len(self._ranks))
+        for i, (_, fut) in enumerate(live):
+            if isinstance(outcome, Exception):
+                fut.set_exception(outcome)
+            else:
+                fut.set_result(outcome[i])
+        if live:
+            for fn in self._observers:
+                fn(len(live))
 
     # ---- ingest ------------------------------------------------------------------------
 
