@@ -136,8 +136,8 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         """Front ends put, only this thread gets. A SimpleQueue, not a Queue, whose put and
         timed get run Python code under a condition on every rank request's hop (8
-        closed-loop callers of a 0.5 ms rank: p50 0.85 ms with a Queue, 0.75 with this;
-        bench/results/README.md, engine_loop_ab_cpu_ranklat.json)."""
+        closed-loop callers of a 0.5 ms rank: p50 0.84 ms with a Queue, 0.77 with this;
+        bench/experiments/loop_handoff.py)."""
         self._ranks: deque[tuple[RankQuery, Future[RankResult], int | None]] = deque()
         self._reads: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._ingest: deque[_Apply | _Task] = deque()
