@@ -9,6 +9,7 @@
 # NEW_SET="section.field=value ..." applies overrides to the new side only (both benchmarks),
 # e.g. the old tree's default model, so that only the engine differs between the arms:
 #   NEW_SET="$(bench/engine_ab.sh --old-model)" bench/engine_ab.sh OLD_TREE OUT 3
+# ORDER=alternate runs new first in every second pair (default: old first in every pair).
 set -euo pipefail
 if [ "${1:-}" = --old-model ]; then  # 755df0e's default model in today's settings
   echo "model.hybrid=none model.request_time=none model.readout=linear model.dropout=0.1" \
@@ -49,7 +50,9 @@ bench_ingest.main()
 PY
 )
 for i in $(seq 1 "$pairs"); do
-  for side in old new; do
+  sides="old new"
+  if [ "${ORDER:-}" = alternate ] && [ $((i % 2)) -eq 0 ]; then sides="new old"; fi
+  for side in $sides; do
     tree=$old; extra=()
     if [ "$side" = new ]; then tree=$new; extra=("${new_set[@]}"); fi
     if [[ $parts == *rank* ]]; then

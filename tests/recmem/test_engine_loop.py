@@ -62,6 +62,33 @@ def test_batch_closes_once_the_expected_requests_are_in() -> None:
         loop.stop()
 
 
+def test_a_callers_next_request_does_not_count_as_queued_while_its_batch_ran() -> None:
+    """Closed-loop callers that send their next request on each answer (a done callback, so
+    it reaches the inbox before the loop takes from it again): every batch holds the two
+    callers and closes once both are in, never waiting out the 60 s window for a third."""
+    ranker = EchoRanker()
+    loop = EngineLoop(ranker, window_ms=60_000, max_batch=16, adaptive=True)
+    finished = [Future[int](), Future[int]()]
+
+    def call(caller: int, left: int) -> None:
+        def on_answer(f: Future[RankResult]) -> None:
+            if left:
+                call(caller, left - 1)
+            else:
+                finished[caller].set_result(f.result().position)
+
+        loop.submit(q(10 * caller + left + 1)).add_done_callback(on_answer)
+
+    call(0, 3)
+    call(1, 3)  # both queued before the loop starts: the first batch holds both
+    loop.start()
+    try:
+        assert [f.result(timeout=10) for f in finished] == [1, 11]
+        assert ranker.sizes == [2, 2, 2, 2]
+    finally:
+        loop.stop()
+
+
 def test_fixed_window_is_waited_out_without_adaptive() -> None:
     ranker = EchoRanker()
     loop = EngineLoop(ranker, window_ms=200, max_batch=16, adaptive=False).start()
