@@ -93,7 +93,9 @@ def serve(role: str, owner: str, ready_path: str, timings_path: str) -> None:
             )
             return fut
 
-        def inspect(self, user_id: str, timeout: float | None = 30.0, partition: Any = None) -> None:
+        def inspect(
+            self, user_id: str, timeout: float | None = 30.0, partition: Any = None
+        ) -> None:
             return None
 
     timings: dict[str, list[float]] = {"handler": [], "forwarded_call": []}
@@ -129,11 +131,15 @@ def serve(role: str, owner: str, ready_path: str, timings_path: str) -> None:
                 response_serializer=lambda r: r if isinstance(r, bytes) else serialize(r)
             )
 
-        def relay_call(self: Forwarder, method: str, address: str, request: Any, timeout: Any) -> Any:
+        def relay_call(
+            self: Forwarder, method: str, address: str, request: Any, timeout: Any
+        ) -> Any:
             multi = methods.get(address + method)
             if multi is None:
                 channel = grpc.insecure_channel(address, options=[("grpc.enable_retries", 0)])
-                multi = methods[address + method] = channel.unary_unary(f"/recmem.v1.RecMem/{method}")
+                multi = methods[address + method] = channel.unary_unary(
+                    f"/recmem.v1.RecMem/{method}"
+                )
             return multi(request.SerializeToString(), timeout=timeout, metadata=self._metadata)
 
         DecodeGuard.intercept_service = relaying  # type: ignore[method-assign]
@@ -153,9 +159,7 @@ def serve(role: str, owner: str, ready_path: str, timings_path: str) -> None:
     vocab = ItemVocab([f"item{i}" for i in range(N_ITEMS)], 8)
     owners = OwnerMap("")
     router = None if role == "owner" else Router(owners, None)
-    servicer = RecMemServicer(
-        FixedAnswer(), vocab, limits_from_config(cfg), "v1", router=router
-    )
+    servicer = RecMemServicer(FixedAnswer(), vocab, limits_from_config(cfg), "v1", router=router)
     srv = GrpcServer(cfg, servicer).start()
     forwarder = None
     if router is not None:
