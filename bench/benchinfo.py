@@ -71,3 +71,17 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
     print(text)
+
+
+def latency_percentiles(seconds: list[float]) -> dict[str, float]:
+    """p50 / p90 / p99 and the mean of latencies given in seconds, in milliseconds."""
+    import numpy as np
+
+    a = np.asarray(seconds) * 1000
+    return {
+        "n": len(seconds),
+        "p50_ms": round(float(np.percentile(a, 50)), 3),
+        "p90_ms": round(float(np.percentile(a, 90)), 3),
+        "p99_ms": round(float(np.percentile(a, 99)), 3),
+        "mean_ms": round(float(a.mean()), 3),
+    }

@@ -48,23 +48,12 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
-from benchinfo import git_commit, machine_facts  # noqa: E402
+from benchinfo import git_commit, latency_percentiles, machine_facts  # noqa: E402
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc  # noqa: E402
 
 VARIANTS = ("as_is", "relay_bytes", "no_interceptors")
 N_ITEMS = 2000
-
-
-def percentiles(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs) * 1000
-    return {
-        "n": len(xs),
-        "p50_ms": round(float(np.percentile(a, 50)), 3),
-        "p90_ms": round(float(np.percentile(a, 90)), 3),
-        "p99_ms": round(float(np.percentile(a, 99)), 3),
-        "mean_ms": round(float(a.mean()), 3),
-    }
 
 
 # ---- the server processes -----------------------------------------------------------------
@@ -235,10 +224,10 @@ def hop_alone(calls: int, tmp: Path) -> dict[str, Any]:
         for p in procs.values():
             p.wait(10)
     inner = json.loads((tmp / "as_is.json").read_text())
-    direct = percentiles(times[0])
+    direct = latency_percentiles(times[0])
     out: dict[str, Any] = {"direct": direct}
     for i, v in enumerate(VARIANTS, start=1):
-        f = percentiles(times[i])
+        f = latency_percentiles(times[i])
         out[v] = {
             "forwarded": f,
             "forwarded_minus_direct": {
@@ -246,8 +235,8 @@ def hop_alone(calls: int, tmp: Path) -> dict[str, Any]:
             },
         }
     out["as_is"]["inside_the_forwarder"] = {
-        "rank_handler": percentiles(inner["handler"][201:]),
-        "forwarded_call_to_the_owner": percentiles(inner["forwarded_call"][201:]),
+        "rank_handler": latency_percentiles(inner["handler"][201:]),
+        "forwarded_call_to_the_owner": latency_percentiles(inner["forwarded_call"][201:]),
     }
     # the owner serves 1 + len(VARIANTS) calls per round
     out["cpu_ms_per_call"] = {
@@ -261,26 +250,13 @@ def hop_alone(calls: int, tmp: Path) -> dict[str, Any]:
 def on_cluster(calls: int, tmp: Path) -> dict[str, Any]:
     from scaleout import forwarding
 
-    from streams.admin import ensure_topics
     from streams.broker import EmbeddedBroker
-    from streams.config import KafkaConfig
-    from tests.cluster import Cluster, caught_up, ml100k_setup, scaleout_config
+    from tests.cluster import Cluster, caught_up, cluster_kafka, ml100k_setup, scaleout_config
 
     logging.getLogger("kafka").setLevel(logging.ERROR)
     partitions = 6
     with EmbeddedBroker() as broker:
-        kafka = KafkaConfig(
-            bootstrap_servers=broker.bootstrap,
-            topic="events",
-            dead_letter_topic="events.dlq",
-            max_wait_ms=100,
-            min_ts_ms=0,
-            max_past_ms=0,
-            max_future_ms=0,
-            partitions=partitions,
-            metrics_port=0,
-        )
-        ensure_topics(kafka, {kafka.topic: partitions, kafka.dead_letter_topic: 1})
+        kafka = cluster_kafka(broker.bootstrap, partitions)
         cfg = scaleout_config(tmp, kafka, dims="default")
         cfg.kafka.group_id = "recmem-bench-forward"
         cfg.kafka.heartbeat_interval_ms = 100

@@ -49,14 +49,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-from benchinfo import git_commit, machine_facts  # noqa: E402
+from benchinfo import git_commit, latency_percentiles, machine_facts  # noqa: E402
 
 from proto.recmem.v1 import rank_pb2  # noqa: E402
 from recmem.client import RankClient  # noqa: E402
-from streams.admin import ensure_topics  # noqa: E402
 from streams.broker import EmbeddedBroker  # noqa: E402
-from streams.config import KafkaConfig  # noqa: E402
 from streams.partitioner import partition_for  # noqa: E402
 from tests.cluster import (  # noqa: E402
     REQUEST_TS,
@@ -64,22 +61,12 @@ from tests.cluster import (  # noqa: E402
     Cluster,
     Prober,
     caught_up,
+    cluster_kafka,
     ml100k_setup,
     scaleout_config,
 )
 
 log = logging.getLogger("bench_scaleout")
-
-
-def percentiles(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs) * 1000
-    return {
-        "n": len(xs),
-        "p50_ms": round(float(np.percentile(a, 50)), 3),
-        "p90_ms": round(float(np.percentile(a, 90)), 3),
-        "p99_ms": round(float(np.percentile(a, 99)), 3),
-        "mean_ms": round(float(a.mean()), 3),
-    }
 
 
 def forwarding(cluster: Cluster, users: list[str], partitions: int, calls: int) -> dict:
@@ -112,7 +99,11 @@ def forwarding(cluster: Cluster, users: list[str], partitions: int, calls: int) 
             client_t.append(time.perf_counter() - t)
     finally:
         client.close()
-    d, f, c = percentiles(direct), percentiles(forwarded), percentiles(client_t)
+    d, f, c = (
+        latency_percentiles(direct),
+        latency_percentiles(forwarded),
+        latency_percentiles(client_t),
+    )
     overhead = {q: round(f[q] - d[q], 3) for q in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")}
     return {
         "request": "whole catalog, k=10, no replay; one call at a time, direct and forwarded "
@@ -343,18 +334,7 @@ def main() -> None:
     fwd: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-scaleout-") as tmp, EmbeddedBroker() as broker:
         work_dir = Path(tmp)
-        kafka = KafkaConfig(
-            bootstrap_servers=broker.bootstrap,
-            topic="events",
-            dead_letter_topic="events.dlq",
-            max_wait_ms=100,
-            min_ts_ms=0,
-            max_past_ms=0,
-            max_future_ms=0,
-            partitions=args.partitions,
-            metrics_port=0,
-        )
-        ensure_topics(kafka, {kafka.topic: args.partitions, kafka.dead_letter_topic: 1})
+        kafka = cluster_kafka(broker.bootstrap, args.partitions)
         cfg = scaleout_config(work_dir, kafka, dims=args.dims)
         env: dict[str, str] = {}
         moto = None
