@@ -24,9 +24,12 @@ def address_coords(key_dim: int, address_dim: int, seed: int) -> np.ndarray:
 
 
 def l2_normalise(x: np.ndarray) -> np.ndarray:
-    """Unit vectors along the last axis; all-zero vectors stay zero."""
+    """Unit vectors along the last axis; all-zero vectors stay zero. Computed in float32:
+    in float16 (the pending chunk's storage) _EPS rounds to 0 and a zero vector's 0 / 0
+    raised a RuntimeWarning (the result was right, the log was not)."""
+    x = np.asarray(x, dtype=np.float32)
     norm = np.linalg.norm(x, axis=-1, keepdims=True)
-    return np.where(norm > _EPS, x / np.maximum(norm, _EPS), 0.0).astype(np.float32)
+    return np.where(norm > _EPS, x / np.maximum(norm, _EPS), np.float32(0.0)).astype(np.float32)
 
 
 def distinctiveness(k: np.ndarray) -> np.ndarray:

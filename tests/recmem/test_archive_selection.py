@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -167,3 +169,16 @@ def test_batched_distinctiveness_and_addresses_equal_the_per_chunk_ones():
     rho = span_addresses_many(d, u, chunk, start, end)
     for j in range(5):
         assert np.array_equal(rho[j], span_addresses(d[chunk[j]], u[chunk[j]], start[j], end[j]))
+
+
+def test_l2_normalise_of_stored_float16_zero_vectors_is_silent_and_zero() -> None:
+    """The pending chunk stores float16 (PENDING_DTYPE); a zero vector among them normalises
+    to zero without a 0 / 0 (in float16 the epsilon rounds to 0)."""
+    x = np.zeros((3, 2, 4), np.float16)
+    x[0, 0] = [3.0, 4.0, 0.0, 0.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = l2_normalise(x)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out[0, 0], [0.6, 0.8, 0.0, 0.0], rtol=1e-3)
+    assert not out[1:].any() and not out[0, 1].any()
