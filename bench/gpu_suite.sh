@@ -256,7 +256,9 @@ plan_round3b() {  # round3's uniform (the default) with seeds 1 and 2, and narro
 
 plan_staticsuite() {  # issue 12: static (E = 1) against uniform Proteus (the default) on the
   # rest of the suite with today's recipe: 3 seeds on ML-100K and synthetic, seed 0 on
-  # completejourney (ML-1M: round3 and round3b); decides whether Proteus stays the default
+  # completejourney (ML-1M: round3 and round3b); decides whether Proteus stays the default.
+  # 14 trainings at once: completejourney's need about MAX_S=980 (two device calls) to come
+  # near their early stop, as in round3
   local cap=(--set train.max_seconds="${MAX_S:-600}") d
   local both="$MAC,memory-proteus[memory.n_blocks=1]"
   for d in ml-100k synthetic; do

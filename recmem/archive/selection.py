@@ -24,12 +24,16 @@ def address_coords(key_dim: int, address_dim: int, seed: int) -> np.ndarray:
 
 
 def l2_normalise(x: np.ndarray) -> np.ndarray:
-    """Unit vectors along the last axis; all-zero vectors stay zero. Computed in float32:
-    in float16 (the pending chunk's storage) _EPS rounds to 0 and a zero vector's 0 / 0
-    raised a RuntimeWarning (the result was right, the log was not)."""
-    x = np.asarray(x, dtype=np.float32)
+    """Unit vectors along the last axis (computed in x's own dtype, returned as float32);
+    all-zero vectors stay zero. Zero rows are never divided: in float16 (the pending
+    chunk's storage) _EPS rounds to 0, and a zero row's 0 / 0 raised a RuntimeWarning."""
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float32)
     norm = np.linalg.norm(x, axis=-1, keepdims=True)
-    return np.where(norm > _EPS, x / np.maximum(norm, _EPS), np.float32(0.0)).astype(np.float32)
+    keep = norm > _EPS
+    out = np.divide(x, norm, out=np.zeros_like(x), where=keep)
+    return out.astype(np.float32)
 
 
 def distinctiveness(k: np.ndarray) -> np.ndarray:
