@@ -251,12 +251,13 @@ def on_cluster(calls: int, tmp: Path) -> dict[str, Any]:
     from scaleout import forwarding
 
     from streams.broker import EmbeddedBroker
-    from tests.cluster import Cluster, caught_up, cluster_kafka, ml100k_setup, scaleout_config
+    from tests.cluster import Cluster, caught_up, ml100k_setup, scaleout_config
+    from tests.kafka_env import kafka_settings
 
     logging.getLogger("kafka").setLevel(logging.ERROR)
     partitions = 6
     with EmbeddedBroker() as broker:
-        kafka = cluster_kafka(broker.bootstrap, partitions)
+        kafka = kafka_settings(broker.bootstrap, partitions)
         cfg = scaleout_config(tmp, kafka, dims="default")
         cfg.kafka.group_id = "recmem-bench-forward"
         cfg.kafka.heartbeat_interval_ms = 100

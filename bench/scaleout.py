@@ -61,10 +61,10 @@ from tests.cluster import (  # noqa: E402
     Cluster,
     Prober,
     caught_up,
-    cluster_kafka,
     ml100k_setup,
     scaleout_config,
 )
+from tests.kafka_env import kafka_settings  # noqa: E402
 
 log = logging.getLogger("bench_scaleout")
 
@@ -334,7 +334,7 @@ def main() -> None:
     fwd: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-scaleout-") as tmp, EmbeddedBroker() as broker:
         work_dir = Path(tmp)
-        kafka = cluster_kafka(broker.bootstrap, args.partitions)
+        kafka = kafka_settings(broker.bootstrap, args.partitions)
         cfg = scaleout_config(work_dir, kafka, dims=args.dims)
         env: dict[str, str] = {}
         moto = None

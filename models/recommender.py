@@ -372,6 +372,8 @@ def compiled_packed_ops(*, cpp_wrapper: bool = True) -> PackedOps:
 
 @cache
 def _compiled_packed_ops(cpp_wrapper: bool, disabled: bool) -> PackedOps:
+    # ``disabled`` only keys the cache: ops made while torch.compile was off are not
+    # handed out once it is on
     return PackedOps(
         RowsDynamic(_packed_layer_in, cpp_wrapper=cpp_wrapper),
         RowsDynamic(_packed_layer_out, cpp_wrapper=cpp_wrapper),

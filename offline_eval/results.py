@@ -380,7 +380,7 @@ def unit_from_ranks(path: Path, dataset: str, n_targets: int | None = None) -> U
         "recovered": f"from {path.name}: the run stopped before its summary",
     }
     overrides = [o.strip() for o in rest.rstrip("]").split(";") if o.strip()]
-    if overrides:
+    if overrides and "overrides" not in config:  # a recorded configuration has them
         config["overrides"] = overrides
     per_target = {"positions": r["positions"], "ranks": r["ranks"]}
     if not np.isnan(r["loss"]).all():

@@ -41,10 +41,9 @@ from recmem.modelstore import save_model
 from recmem.ranking import RankQuery
 from recmem.state_store import StateLayout
 from recmem.vocab import ItemVocab
-from streams.admin import end_offsets, ensure_topics
+from streams.admin import end_offsets
 from streams.broker import free_port
 from streams.codec import action_from_wire, make_event
-from streams.config import KafkaConfig
 from streams.partitioner import partition_for
 from streams.producer import EventProducer
 from streams.validate import ValidEvent
@@ -53,24 +52,6 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RECMEM_TEST_CACHE", "~/.cache/recmem")).expanduser()
 REQUEST_TS = 900_000_000_000
 """Rank requests ask at this time (after ML-100K's last event), so answers compare."""
-
-
-def cluster_kafka(bootstrap: str, partitions: int) -> KafkaConfig:
-    """A cluster benchmark's Kafka settings (topic ``events`` with ``partitions`` partitions,
-    its dead-letter topic, validation windows off), its topics created on the broker."""
-    kafka = KafkaConfig(
-        bootstrap_servers=bootstrap,
-        topic="events",
-        dead_letter_topic="events.dlq",
-        max_wait_ms=100,
-        min_ts_ms=0,
-        max_past_ms=0,
-        max_future_ms=0,
-        partitions=partitions,
-        metrics_port=0,
-    )
-    ensure_topics(kafka, {kafka.topic: partitions, kafka.dead_letter_topic: 1})
-    return kafka
 
 
 def scaleout_config(tmp_path: Path, kafka: Any, *, dims: str = "small") -> Config:

@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 from recmem.config import KafkaConfig
-from streams.admin import ensure_topics
 from streams.broker import EmbeddedBroker
+from tests.kafka_env import kafka_settings
 
 
 @pytest.fixture(scope="session")
@@ -57,25 +57,13 @@ def kafka_config(kafka_broker: EmbeddedBroker) -> KafkaConfigFactory:
 
     def make(partitions: int = 4, **overrides: object) -> KafkaConfig:
         tag = uuid.uuid4().hex[:10]
-        cfg = KafkaConfig(
-            bootstrap_servers=kafka_broker.bootstrap,
-            topic=f"events-{tag}",
-            dead_letter_topic=f"events-{tag}.dlq",
-            group_id=f"group-{tag}",
-            session_timeout_ms=3000,
-            heartbeat_interval_ms=500,
-            max_wait_ms=100,
-            min_ts_ms=0,
-            max_past_ms=0,
-            max_future_ms=0,
-            partitions=partitions,
-            metrics_port=0,
+        fields: dict[str, object] = {
+            "group_id": f"group-{tag}",
+            "session_timeout_ms": 3000,
+            "heartbeat_interval_ms": 500,
+        }
+        return kafka_settings(
+            kafka_broker.bootstrap, partitions, topic=f"events-{tag}", **{**fields, **overrides}
         )
-        for key, value in overrides.items():
-            if not hasattr(cfg, key):
-                raise AttributeError(f"KafkaConfig has no field {key!r}")
-            setattr(cfg, key, value)
-        ensure_topics(cfg, {cfg.topic: partitions, cfg.dead_letter_topic: 1})
-        return cfg
 
     return make
