@@ -50,6 +50,7 @@
 #            stops and completejourney (4 at once); then drift against static on ML-1M, 3 seeds
 #   round3b  ML-1M: the default with seeds 1 and 2 and narrow with 3 seeds (round3 has static)
 #   staticsuite  static against uniform on ML-100K, synthetic (3 seeds) and completejourney
+#   final12  staticsuite and NoteBank replay on today's default (ML-1M and ML-100K, 3 seeds)
 #   issue12  notebank and proteus at once (docs/archive.md and docs/memory.md, "How to run
 #            the ablation"); trainings stop at MAX_S (600) seconds
 set -u
@@ -265,6 +266,27 @@ plan_staticsuite() {  # issue 12: static (E = 1) against uniform Proteus (the de
     run_eval "st-$d" "$d" 6 "$both" --seeds 0,1,2 "${cap[@]}"
   done
   run_eval st-completejourney completejourney 2 "$both" "${cap[@]}"
+}
+
+plan_final12() {  # issue 12's last ablation on today's default: staticsuite's static against
+  # uniform (ML-100K and synthetic 3 seeds, completejourney seed 0, guard MAX_S), and NoteBank
+  # replay on ML-1M (3 seeds, each base to its early stop or NB_BASE_S, then the fusions on
+  # its weights: core, lexical routing, low-rank and joint training) and ML-100K (3 seeds)
+  local cap=(--set train.max_seconds="${MAX_S:-950}") d s
+  local both="$MAC,memory-proteus[memory.n_blocks=1]"
+  for d in ml-100k synthetic; do
+    run_eval "st-$d" "$d" 6 "$both" --seeds 0,1,2 "${cap[@]}"
+  done
+  run_eval st-completejourney completejourney 2 "$both" "${cap[@]}"
+  pack st "st-*"
+  NB_ROUTES=("${NB_ROUTES[0]}" "$NB_EXTRA")  # lexical; the low-rank and joint fusions
+  for s in 0 1 2; do
+    nb_ml1m_seed "$s" --set train.max_seconds="${NB_BASE_S:-500}" &
+    PIDS+=($!)
+    pack "nb-ml-1m-s$s" "base-ml-1m-s$s" "nb-ml-1m-s$s-*"
+  done
+  run_eval nb-ml-100k ml-100k 3 "$NB_CORE,${NB_ROUTES[0]},$NB_EXTRA" --seeds 0,1,2 "${cap[@]}"
+  pack nb-ml-100k nb-ml-100k
 }
 
 plan_final() {
