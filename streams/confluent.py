@@ -163,13 +163,18 @@ class ConfluentEventConsumer(BaseConsumer):
         log.warning("consumer error on %s: %s", self.cfg.topic, error)
 
     def _close(self) -> None:
-        consumer, self._consumer = self._consumer, None
+        consumer = self._consumer
         producer, self._producer = self._producer, None
         if consumer is not None:
+            # close() runs the rebalance callbacks still pending (the revoke callback
+            # checkpoints the partitions; an assignment that arrived since the last poll is
+            # made, then revoked), and they use self._consumer: it goes only after close
             try:
-                consumer.close()  # the revoke callback checkpoints the partitions
+                consumer.close()
             except (KafkaException, RuntimeError) as e:
                 log.warning("closing the consumer: %s", e)
+            finally:
+                self._consumer = None
         if producer is not None:
             left = producer.flush(5)
             if left:

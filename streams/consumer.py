@@ -150,13 +150,15 @@ class EventConsumer(BaseConsumer):
             log.info("still joining group %s after %d ms", self.cfg.group_id, wait_ms)
 
     def _close(self) -> None:
-        consumer, self._consumer = self._consumer, None
+        consumer = self._consumer
         producer, self._producer = self._producer, None
         if consumer is not None:
-            try:
+            try:  # a rebalance callback run by close() may still use self._consumer
                 consumer.close(autocommit=False, timeout_ms=5000)
             except KafkaError as e:
                 log.warning("closing the consumer: %s", e)
+            finally:
+                self._consumer = None
         if producer is not None:
             producer.close(timeout=5)
 
