@@ -6,8 +6,10 @@ intervals compare every model against the best model that is not one).
 - ``pop``: TRAIN popularity (offline_eval.baselines), deterministic, so run once per
   ``--seeds``;
 - ``sasrec``: our SASRec (max length 200, full-catalog cross-entropy);
-- ``memory-static``: the memory recommender with E = 1 (static capacity);
-- ``memory-proteus``: the memory recommender with the configured E and N;
+- ``memory-static``: the memory recommender with E = 1 (static capacity) whatever the
+  configuration says;
+- ``memory-proteus``: the memory recommender with the configured E and N (the default
+  E = 1 is static capacity; ``memory-proteus[memory.n_blocks=16]`` turns Proteus on);
 - ``memory-proteus-notebank``: the same training, evaluated with NoteBank replay
   (offline_eval.notebank_eval, which needs the serving packages: faiss, gRPC, Prometheus).
 
@@ -40,7 +42,16 @@ log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[TimeSplit, Config], tuple[Scorer, float, dict[str, Any]]]
 
-DEFAULT_MODELS = ("pop", "sasrec", "memory-static", "memory-proteus", "memory-proteus-notebank")
+DEFAULT_MODELS = (
+    "pop",
+    "sasrec",
+    "memory-proteus",
+    "memory-proteus[memory.n_blocks=16]",
+    "memory-proteus-notebank",
+)
+"""What ``recmem eval`` trains without ``--models``: the baselines, the default memory model
+(static capacity since E = 1 became the default), the same with the Proteus schedule on
+(E = 16), and the default with NoteBank replay on its weights."""
 
 PIP_NAMES = {
     "faiss": "faiss-cpu",

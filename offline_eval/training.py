@@ -39,8 +39,6 @@ DEMO_PRESET: dict[str, Any] = {
     "memory.n_heads": 4,
     "memory.key_dim": 16,
     "memory.value_dim": 16,
-    "memory.n_blocks": 4,
-    "memory.horizon": 128,
     "train.lr": 2e-3,
     "train.eval_every": 50,
     "train.patience": 3,

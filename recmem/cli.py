@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--models",
                 help="comma-separated model specs, each NAME or NAME[section.field=value;...] "
-                "(default: pop,sasrec,memory-static,memory-proteus,memory-proteus-notebank)",
+                "(default: pop,sasrec,memory-proteus,memory-proteus[memory.n_blocks=16],"
+                "memory-proteus-notebank)",
             )
             p.add_argument(
                 "--out",
