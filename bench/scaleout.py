@@ -3,7 +3,8 @@ cost of a forwarded Rank (issue 13's goals), measured with real `recmem serve` p
 
     .venv/bin/python bench/scaleout.py [--members 3] [--partitions 6] [--events 0]
         [--kills 3] [--session-ms 3000,2000,1000] [--heartbeat-ms 100] [--store dir|s3]
-        [--dims default|small] [--calls 2000] [--probe-users 8] [--json PATH]
+        [--dims default|small] [--calls 2000] [--probe-users 8] [--prefetch-mb 0,64]
+        [--json PATH]
 
 1. An embedded broker (tansu), a topic of ``--partitions``, ML-100K's first ``--events``
    events (0: all 100,000) sent in time order; ``--members`` serve processes in one group
@@ -22,14 +23,20 @@ cost of a forwarded Rank (issue 13's goals), measured with real `recmem serve` p
    another position (a *silent* cold start: goal 0), UNAVAILABLE (with a retry hint), or
    anything else. The killed member is then started again (a join: probed too) before
    the next kill. Steps 1 (a new group and checkpoint root on the same topic) and 3 run
-   for each session timeout of ``--session-ms``; step 2 once, on the first.
+   for each session timeout of ``--session-ms`` and each ``checkpoint.prefetch_mb`` of
+   ``--prefetch-mb`` (default 0, the service's default: no prefetch); step 2 once, on the
+   first.
 
 Writes bench/results/scaleout_cpu.json (or --json) with the machine, date, commit, command,
 configuration, per-kill figures (detection: until the survivors' map changed; restores from
 the logs; the handoff and its phases from the survivors' logs: the heartbeat answer that told
 the first survivor of the rebalance, the JoinGroups sent (one per round), each moved
-partition assigned, restored and serving, then the probes' first right answer) and the
-goals.
+partition assigned, restored (claim, read, install; whether from the prefetch) and
+serving, then the probes' first right answer) and the goals. Two more figures per kill
+bound what the service can change: ``broker_floor_s``, the kill until the last moved
+partition was assigned (SyncGroup answered: detection and the group protocol, before the
+service does anything), and ``handoff_after_s``, the latest answer that was not yet right
+(the handoff lies between it and ``handoff_s``; the gap is the probes' cadence).
 """
 
 from __future__ import annotations
@@ -162,6 +169,10 @@ TOLD = "is rebalancing; rejoining"
 JOINED = "Successfully joined group"
 ASSIGNED = re.compile(r"partitions \[([\d, ]+)\] assigned; restoring in the background")
 RESTORED = re.compile(r"partition (\d+): restored .* in ([\d.]+) s$")
+RESTORE_STEPS = re.compile(
+    r"partition (\d+): restored .*; claim ([\d.]+), read ([\d.]+), install ([\d.]+)"
+    r"(, from the prefetch)?\)"
+)
 
 
 def log_events(text: str, since_line: int, t0: float) -> list[tuple[float, str]]:
@@ -191,6 +202,7 @@ def handoff_phases(
     joined = {i: [t for t, msg in ev if JOINED in msg] for i, ev in logs.items()}
     assigned: dict[int, float] = {}
     serving: dict[int, float] = {}
+    steps: dict[int, dict[str, float]] = {}
     events = sorted(e for ev in logs.values() for e in ev)
     for t, msg in events:
         if m := ASSIGNED.search(msg):
@@ -201,10 +213,16 @@ def handoff_phases(
         if (m := RESTORED.search(msg)) and int(m.group(1)) in assigned:
             p = int(m.group(1))
             serving.setdefault(p, assigned[p] + float(m.group(2)))
+        if (m := RESTORE_STEPS.search(msg)) and int(m.group(1)) in assigned:
+            names = ("claim", "read", "install")
+            split: dict = {k: float(v) for k, v in zip(names, m.groups()[1:4], strict=True)}
+            split["prefetched"] = m.group(5) is not None
+            steps.setdefault(int(m.group(1)), split)
     first_join = min((ts[0] for ts in joins.values() if ts), default=None)
     last_joined = max((ts[-1] for ts in joined.values() if ts), default=None)
     told_s = min(told, default=None)
     last_assigned = max((assigned[p] for p in moved if p in assigned), default=None)
+    # (the kill until then: detection and the group protocol, nothing the service does)
     last_serving = max((serving[p] for p in moved if p in serving), default=None)
 
     def span(a: float | None, b: float | None) -> float | None:
@@ -217,6 +235,8 @@ def handoff_phases(
         "joingroup_answered_s": {i: round(ts[-1], 3) for i, ts in joined.items() if ts},
         "assigned_s": {p: round(t, 3) for p, t in sorted(assigned.items()) if p in moved},
         "serving_s": {p: round(t, 3) for p, t in sorted(serving.items()) if p in moved},
+        "restore_steps_s": {p: v for p, v in sorted(steps.items()) if p in moved},
+        "broker_floor_s": None if last_assigned is None else round(last_assigned, 3),
         "breakdown_s": {
             "expiry": None if told_s is None else round(told_s, 3),
             "to_joingroup": span(told_s, first_join),
@@ -262,6 +282,16 @@ def kill_once(
         records = prober.stop()
     firsts = prober.first_right(counts, killed_at)
     handoff = max(firsts[u] for u in probed) - killed_at
+    # per user, its last answer after the kill that was not yet right: the handoff is after
+    # the latest of those (and at most ``handoff``)
+    not_yet = [
+        max(
+            (a.t for a in records if a.user == u and killed_at <= a.t < firsts[u]),
+            default=killed_at,
+        )
+        for u in probed
+    ]
+    handoff_after = max(not_yet) - killed_at
     after = [a for a in records if a.t >= killed_at]
     kinds = tally(after, counts)
     kept_not_ok = sum(1 for a in after if a.user in kept and kind(a, counts) != "ok")
@@ -289,6 +319,7 @@ def kill_once(
         "restore_s": restores,
         "restored_partitions": len(restores),
         "handoff_s": round(handoff, 3),
+        "handoff_after_s": round(handoff_after, 3),
         "handoff_median_user_s": round(statistics.median(firsts[u] for u in probed) - killed_at, 3),
         "phases": phases,
         "answers_after_kill": kinds,
@@ -323,6 +354,11 @@ def main() -> None:
         default=8,
         help="moved users probed per kill (and half as many of the survivors' own users)",
     )
+    parser.add_argument(
+        "--prefetch-mb",
+        default="0",
+        help="comma-separated checkpoint.prefetch_mb values, each run at every session timeout",
+    )
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "scaleout_cpu.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -330,6 +366,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     began = time.monotonic()
     sessions = [int(x) for x in args.session_ms.split(",")]
+    prefetches = [float(x) for x in args.prefetch_mb.split(",")]
+    variants = [(s, mb) for s in sessions for mb in prefetches]
     runs = []
     fwd: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-scaleout-") as tmp, EmbeddedBroker() as broker:
@@ -346,14 +384,16 @@ def main() -> None:
         work = ml100k_setup(cfg, limit=args.events)
         users = sorted(work.counts)
         try:
-            for n, session_ms in enumerate(sessions):
-                cfg.kafka.group_id = f"recmem-bench-s{session_ms}"
+            for n, (session_ms, prefetch_mb) in enumerate(variants):
+                name = f"s{session_ms}" + (f"-p{prefetch_mb:g}" if prefetch_mb else "")
+                cfg.kafka.group_id = f"recmem-bench-{name}"
                 cfg.kafka.session_timeout_ms = session_ms
                 cfg.kafka.heartbeat_interval_ms = min(args.heartbeat_ms, session_ms // 3)
+                cfg.checkpoint.prefetch_mb = prefetch_mb
                 if moto is not None:
                     cfg.checkpoint.dir = moto.bucket()
                     cfg.checkpoint.s3_endpoint_url = moto.endpoint
-                cluster = Cluster(cfg, work_dir / f"cluster-{session_ms}", args.members, env=env)
+                cluster = Cluster(cfg, work_dir / f"cluster-{name}", args.members, env=env)
                 try:
                     t = time.monotonic()
                     cluster.start_all()
@@ -363,7 +403,7 @@ def main() -> None:
                         "every member settled, every event checkpointed",
                     )
                     ingest_s = time.monotonic() - t
-                    log.info("session %d ms: cluster caught up in %.1f s", session_ms, ingest_s)
+                    log.info("%s: cluster caught up in %.1f s", name, ingest_s)
                     if n == 0:
                         fwd = forwarding(cluster, users, args.partitions, args.calls)
                         log.info("forwarding: %s", fwd["forwarded_minus_direct"])
@@ -380,8 +420,8 @@ def main() -> None:
                                 args.probe_users,
                             )
                         )
-                        log.info("session %d ms, kill %d: handoff %.2f s, detected %s s",
-                                 session_ms, k, kills[-1]["handoff_s"], kills[-1]["detected_s"])  # fmt: skip
+                        log.info("%s, kill %d: handoff %.2f s, detected %s s",
+                                 name, k, kills[-1]["handoff_s"], kills[-1]["detected_s"])  # fmt: skip
                 finally:
                     cluster.close()
                 handoffs = [k["handoff_s"] for k in kills]
@@ -392,12 +432,15 @@ def main() -> None:
                 runs.append(
                     {
                         "session_timeout_ms": session_ms,
+                        "prefetch_mb": prefetch_mb,
                         "heartbeat_interval_ms": cfg.kafka.heartbeat_interval_ms,
                         "start_and_ingest_s": round(ingest_s, 1),
                         "kills": kills,
                         "handoff_s": handoffs,
                         "handoff_median_s": round(statistics.median(handoffs), 3),
                         "handoff_max_s": max(handoffs),
+                        "handoff_after_s": [k["handoff_after_s"] for k in kills],
+                        "broker_floor_s": [k["phases"]["broker_floor_s"] for k in kills],
                         "handoff_goal_s": session_ms / 1000 + 2,
                         "handoff_goal_met_all": max(handoffs) <= session_ms / 1000 + 2,
                         "handoff_breakdown_median_s": {
@@ -413,6 +456,12 @@ def main() -> None:
             if moto is not None:
                 moto.stop()
     silent_total = sum(r["silent_cold_starts"] for r in runs)
+
+    def key(r: dict) -> str:
+        """A run's key in the summary: its session timeout, and its prefetch if any."""
+        mb = r["prefetch_mb"]
+        return str(r["session_timeout_ms"]) + (f" prefetch {mb:g} MB" if mb else "")
+
     result = {
         "benchmark": "scaleout",
         "machine": machine_facts(),
@@ -438,10 +487,10 @@ def main() -> None:
         "forwarding": fwd,
         "runs": runs,
         "summary": {
-            "handoff_s_by_session_ms": {r["session_timeout_ms"]: r["handoff_s"] for r in runs},
-            "handoff_goal_met_by_session_ms": {
-                r["session_timeout_ms"]: r["handoff_goal_met_all"] for r in runs
-            },
+            "handoff_s_by_session_ms": {key(r): r["handoff_s"] for r in runs},
+            "handoff_after_s_by_session_ms": {key(r): r["handoff_after_s"] for r in runs},
+            "broker_floor_s_by_session_ms": {key(r): r["broker_floor_s"] for r in runs},
+            "handoff_goal_met_by_session_ms": {key(r): r["handoff_goal_met_all"] for r in runs},
             "silent_cold_starts": silent_total,
             "silent_cold_starts_goal_met": silent_total == 0,
             "forwarded_p99_overhead_ms": fwd["forwarded_minus_direct"]["p99_ms"],

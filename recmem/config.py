@@ -186,6 +186,14 @@ class CheckpointConfig:
     restore_threads: int = 2
     """Partitions restored at once, off the consumer's thread (a partition's users answer
     UNAVAILABLE with a retry hint until it is restored)."""
+    prefetch_mb: float = 0.0
+    """While this member rejoins its group (kafka-python client), read and verify the newest
+    checkpoints of partitions it does not own, up to this many MB held in memory, so that a
+    partition it is then given restores from memory (after its claim, and only when the
+    manifest still names the prefetched checkpoint; otherwise it is read again). Pays off
+    where the broker holds the rejoin for a while (the embedded broker: whole seconds) and
+    the store is slow; every rebalance reads up to this much, most of it for partitions that
+    go elsewhere. 0: off."""
     interval_s: float = 30.0
     """Seconds between checkpoints while ingesting."""
     keep: int = 3

@@ -76,6 +76,7 @@ RANGES: dict[str, str] = {
     "checkpoint.keep": "[1, inf)",
     "checkpoint.full_every": "[0, inf)",
     "checkpoint.restore_threads": "[1, inf)",
+    "checkpoint.prefetch_mb": "[0, inf)",
     "archive.chunk_events": "[1, inf)",
     "archive.window": "[1, inf)",
     "archive.spans_per_chunk": "[1, inf)",

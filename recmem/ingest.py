@@ -67,6 +67,8 @@ class IngestTotals:
     restores: int = 0
     restore_seconds: float = 0.0
     restore_bytes: int = 0
+    restores_prefetched: int = 0
+    """Restores that used a checkpoint read while the member rejoined."""
     fenced: int = 0
 
 
@@ -81,6 +83,13 @@ class _Restore:
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
     """When the partition began to serve (its install on the loop done)."""
+    prefetched: Future[PartitionCheckpoint | None] | None = None
+    """Its checkpoint, read while the member rejoined (``KafkaIngest.on_rebalancing``)."""
+    from_prefetch: bool = False
+    """Restored from ``prefetched`` (its files not read again)."""
+    steps: dict[str, float] = field(default_factory=dict)
+    """Seconds of each step: claim, read (read and verify the chain), install (on the
+    loop, waiting for it included)."""
 
 
 @dataclass
@@ -173,6 +182,13 @@ class KafkaIngest:
         self._restorer = ThreadPoolExecutor(
             cfg.checkpoint.restore_threads, thread_name_prefix="checkpoint-restore"
         )
+        self.prefetch_bytes = int(cfg.checkpoint.prefetch_mb * 1e6)
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-prefetch")
+        self._prefetched: dict[int, Future[PartitionCheckpoint | None]] = {}
+        """Partition -> its checkpoint being read (or read) during a rejoin."""
+        self._prefetch_held = 0
+        """Bytes the finished prefetches hold."""
+        self._view: GroupView | None = None
         self.next_offsets: dict[int, int] = {}
         """Per partition: the offset after the last record handed to the loop."""
         self.written: dict[int, int] = {}
@@ -196,6 +212,12 @@ class KafkaIngest:
         """A new generation: what the next claims and writes carry. A member given no
         partition at all is ready at once (it answers by forwarding)."""
         self.generation = view.generation
+        self._view = view
+        # keep the prefetches of partitions given to this member (``on_assigned`` takes
+        # them); the others went elsewhere
+        self._drop_prefetched(
+            [p for p in self._prefetched if (o := view.owner(p)) is None or o.address != self.owner]
+        )
         if self._on_view is not None:
             self._on_view(view)
         mine = any(m.address == self.owner for m in view.owners.values())
@@ -208,25 +230,92 @@ class KafkaIngest:
         paused until ``restored`` hands out their resume points."""
         self._drop_fenced()
         for p in partitions:
-            job = _Restore(p, self.generation)
+            job = _Restore(p, self.generation, prefetched=self._prefetched.pop(p, None))
             self._restoring[p] = job
             job.future = self._restorer.submit(self._restore, job)
+        self._drop_prefetched(list(self._prefetched))
         return dict.fromkeys(partitions, RESTORING)
+
+    def on_rebalancing(self) -> None:
+        """The member is rejoining its group (its consumer waits for the join): read the
+        newest checkpoints of the partitions it does not own, in partition order, until
+        ``checkpoint.prefetch_mb`` are held, so that one the group then gives it restores
+        from memory. Nothing is claimed or installed: a prefetched checkpoint is used only
+        by that partition's restore, after its claim, if the manifest still names it."""
+        view = self._view
+        if self.prefetch_bytes <= 0 or view is None or not view.complete:
+            return
+        for p in range(view.partitions):
+            if p in self.assigned or p in self._restoring or p in self._prefetched:
+                continue
+            self._prefetched[p] = self._prefetcher.submit(self._prefetch, p)
+
+    def _prefetch(self, p: int) -> PartitionCheckpoint | None:
+        """Prefetch thread: the partition's newest usable checkpoint, or None (nothing to
+        read, over the budget, or any error: its restore reads it again and reports)."""
+        with self._lock:
+            if self._prefetch_held >= self.prefetch_bytes:
+                return None
+        try:
+            ckpt = self.checkpoints.restore(
+                p, settings=self.settings, model_version=self.engine.model_version
+            )
+        except Exception as e:  # noqa: BLE001 - the restore itself reads again and raises
+            log.debug("partition %d: prefetch failed: %s", p, e)
+            return None
+        if ckpt is not None:
+            with self._lock:
+                self._prefetch_held += ckpt.bytes_read
+        return ckpt
+
+    def _drop_prefetched(self, partitions: list[int]) -> None:
+        for p in partitions:
+            fut = self._prefetched.pop(p, None)
+            if fut is not None and not fut.cancel():
+                fut.add_done_callback(self._release_prefetch)  # at once when done
+
+    def _release_prefetch(self, fut: Future[PartitionCheckpoint | None]) -> None:
+        ckpt = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        if ckpt is not None:
+            with self._lock:
+                self._prefetch_held = max(0, self._prefetch_held - ckpt.bytes_read)
 
     def _restore(self, job: _Restore) -> PartitionCheckpoint | None:
         """Restore thread: claim the partition (the fence), read and verify its newest
         checkpoint, have the loop install it."""
         p = job.partition
+        t0 = time.monotonic()
         self.checkpoints.claim(p, job.generation, self.owner)
+        t1 = time.monotonic()
+        prefetched = self._take_prefetched(job)
         ckpt = self.checkpoints.restore(
-            p, settings=self.settings, model_version=self.engine.model_version
+            p,
+            settings=self.settings,
+            model_version=self.engine.model_version,
+            prefetched=prefetched,
         )
+        t2 = time.monotonic()
+        job.from_prefetch = prefetched is not None and ckpt is prefetched
         with self._lock:
             if job.cancelled:
                 return None
             install = self.loop.run_task(partial(_install, partition=p, ckpt=ckpt))
         install.result()
         job.finished = time.monotonic()
+        job.steps = {"claim": t1 - t0, "read": t2 - t1, "install": job.finished - t2}
+        return ckpt
+
+    def _take_prefetched(self, job: _Restore) -> PartitionCheckpoint | None:
+        """The job's prefetched checkpoint: waited for when its read is under way (it ends
+        sooner than a new read), not used when it has not started (cancelled)."""
+        fut, job.prefetched = job.prefetched, None
+        if fut is None or fut.cancel():
+            return None
+        try:
+            ckpt = fut.result()
+        except Exception:  # noqa: BLE001 - _prefetch returns None on errors
+            return None
+        self._release_prefetch(fut)
         return ckpt
 
     def restored(self) -> dict[int, Resume]:
@@ -249,13 +338,19 @@ class KafkaIngest:
             except LoopStopped as e:
                 raise RuntimeError(f"the engine stopped: {e}") from e.__cause__ or e
             # the restore's own time (the consumer may ask for it a poll later)
-            out[p] = self._adopted(p, ckpt, (job.finished or time.monotonic()) - job.started)
+            out[p] = self._adopted(p, ckpt, (job.finished or time.monotonic()) - job.started, job)
         if self._on_ready is not None and out and not self._restoring:
             self._on_ready()
             self._on_ready = None
         return out
 
-    def _adopted(self, p: int, ckpt: PartitionCheckpoint | None, seconds: float) -> Resume:
+    def _adopted(
+        self,
+        p: int,
+        ckpt: PartitionCheckpoint | None,
+        seconds: float,
+        job: _Restore | None = None,
+    ) -> Resume:
         if ckpt is None:
             # no checkpoint: the state is empty, so read the partition from its start
             # (never from a committed offset, which would skip events)
@@ -270,11 +365,15 @@ class KafkaIngest:
             self.totals.restores += 1
             self.totals.restore_seconds += seconds
             self.totals.restore_bytes += ckpt.bytes_read
+            split = ", ".join(f"{k} {v:.3f}" for k, v in (job.steps if job else {}).items())
+            if job is not None and job.from_prefetch:
+                split += ", from the prefetch"
+                self.totals.restores_prefetched += 1
             log.info(
-                "partition %d: restored %d users at offset %d from %s (generation %d) "
+                "partition %d: restored %d users at offset %d from %s (generation %d; %s) "
                 "in %.2f s",
                 p, len(ckpt.user_ids), ckpt.next_offset, " + ".join(ckpt.chain),
-                ckpt.generation, seconds,
+                ckpt.generation, split or "-", seconds,
             )  # fmt: skip
         self.next_offsets[p] = resume.next_offset
         self.assigned.add(p)
@@ -378,6 +477,7 @@ class KafkaIngest:
         finally:
             self._writer.shutdown(wait=True)
             self._restorer.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
 
     def drain(self) -> None:
         """Wait until every batch handed over is installed (raises if ingest failed)."""

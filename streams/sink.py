@@ -4,6 +4,10 @@ offsets of the events it applied (state and offsets move together, one unit).
 
 Call order, all on the consumer's thread:
 
+- optional ``on_rebalancing()`` (kafka-python client only) when the member has to rejoin
+  its group and is about to wait for the join: nothing has changed hands yet; a sink may
+  prepare (recmem's adapter reads other partitions' checkpoints ahead,
+  ``checkpoint.prefetch_mb``). It may be called again while the same join is under way.
 - optional ``on_group(view)`` (a ``streams.group.GroupView``) when a rebalance's assignment
   arrives, before that rebalance's ``on_revoked`` / ``on_assigned``: the generation (the
   epoch the sink's checkpoints carry) and every partition's owner.

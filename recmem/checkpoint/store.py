@@ -452,13 +452,20 @@ class CheckpointStore:
         *,
         settings: dict[str, Any] | None = None,
         model_version: str | None = None,
+        prefetched: PartitionCheckpoint | None = None,
     ) -> PartitionCheckpoint | None:
         """The newest checkpoint of ``partition`` whose whole chain passes its checks, or
         None if there is none. Corrupted ones are skipped with a warning, and so are those a
         stale owner wrote after the partition's newest claim. One of another format, or
         written under other ``settings`` or by another ``model_version``, raises
         :class:`IncompatibleCheckpoint` naming what differs (its states mean something
-        else)."""
+        else).
+
+        ``prefetched``: what an earlier ``restore`` of this partition (same ``settings``
+        and ``model_version``) returned. It is returned again, without reading its files,
+        when it is still the checkpoint this restore picks (the manifest and the claims are
+        read now, so a newer checkpoint or a newer claim wins; a checkpoint's files never
+        change once it is in the manifest)."""
         manifest = self._read_manifest(partition)
         fence = self.fence(partition, manifest)
         for name in manifest.names:
@@ -469,6 +476,12 @@ class CheckpointStore:
                     partition, name, generation_of(name), fence.generation, fence.base,
                 )  # fmt: skip
                 continue
+            if (
+                prefetched is not None
+                and prefetched.partition == partition
+                and prefetched.path.name == name
+            ):
+                return prefetched
             try:
                 chain = self._load_chain(partition, name)
             except IncompatibleCheckpoint:

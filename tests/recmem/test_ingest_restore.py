@@ -15,7 +15,7 @@ from recmem.engine import PartitionUnavailable
 from recmem.ingest import KafkaIngest
 from recmem.ranking import RankQuery
 from recmem.state_store import StateLayout
-from streams.group import GroupView
+from streams.group import GroupView, Member
 from streams.sink import RESTORING
 from tests.recmem.test_engine import make_engine, random_events, small_config
 from tests.recmem.test_ingest import loop_over
@@ -37,9 +37,10 @@ class HeldStore(CheckpointStore):
         return super().restore(partition, **kw)
 
 
-def service(tmp_path, sub, store, generation=1):
+def service(tmp_path, sub, store, generation=1, prefetch_mb=0.0):
     cfg = small_config()
     cfg.checkpoint.interval_s = 0.0
+    cfg.checkpoint.prefetch_mb = prefetch_mb
     loop = loop_over(make_engine(tmp_path / sub, cfg=cfg))
     ingest = KafkaIngest(loop, store, cfg, owner=f"{sub}:1")
     ingest.on_group(GroupView(generation=generation, partitions=2))
@@ -138,3 +139,86 @@ def test_a_newer_generation_fences_this_member(tmp_path):
     finally:
         a.close()
         a.loop.stop()
+
+
+class CountingStore(CheckpointStore):
+    """A checkpoint store that records which partitions' checkpoint files it reads."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.loads: list[int] = []
+
+    def _load(self, partition, prefix):
+        self.loads.append(partition)
+        return super()._load(partition, prefix)
+
+
+def test_a_prefetched_checkpoint_is_used_only_while_the_manifest_names_it(tmp_path):
+    events = random_events(300, 20, seed=3, n_partitions=2)
+    a = service(tmp_path, "a", CheckpointStore(tmp_path / "ckpt", layout()))
+    store = CountingStore(tmp_path / "ckpt", layout())
+    b = service(tmp_path, "b", store, generation=2, prefetch_mb=100)
+    try:
+        a.restore_now([0, 1])
+        a.apply_batch(events[:150], {0: 150, 1: 150})
+        a.checkpoint()
+        a.flush()
+        # b rejoins its group: it reads both partitions ahead (claims and installs nothing)
+        b.on_rebalancing()
+        deadline = time.monotonic() + 30
+        while not all(f.done() for f in b._prefetched.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(b._prefetched) == [0, 1] and sorted(store.loads) == [0, 1]
+        assert b.engine.partition_of == {} and store.fence(0).generation == 1
+        # the owner checkpoints partition 1 once more before it goes (partition 0 unchanged)
+        a.apply_batch([e for e in events[150:] if e.partition == 1], {1: 300})
+        a.checkpoint()
+        a.flush()
+        positions = {u: int(a.engine.snapshot([u]).pos[0]) for u in a.engine.partition_of}
+        a.loop.stop()
+        store.loads.clear()
+        me = Member("b:1")
+        b.on_group(GroupView(generation=2, partitions=2, owners={0: me, 1: me}))
+        assert b.on_assigned([0, 1]) == {0: RESTORING, 1: RESTORING}
+        got: dict = {}
+        while len(got) < 2 and time.monotonic() < deadline:
+            got.update(b.restored())
+            time.sleep(0.01)
+        # partition 0 came from memory; partition 1's prefetch was outdated: read again
+        assert store.loads == [1]
+        assert b.totals.restores_prefetched == 1
+        assert {p: r.next_offset for p, r in got.items()} == {0: 150, 1: 300}
+        for user, pos in positions.items():
+            res = rank(b, user, b.engine.partition_of[user])
+            assert res.position == pos and not res.cold_start
+        assert store.fence(0).generation == 2 and store.fence(1).generation == 2
+        assert b._prefetched == {} and b._prefetch_held == 0
+    finally:
+        b.close()
+        b.loop.stop()
+
+
+def test_prefetches_of_partitions_given_elsewhere_are_dropped(tmp_path):
+    events = random_events(100, 10, seed=4, n_partitions=2)
+    a = service(tmp_path, "a", CheckpointStore(tmp_path / "ckpt", layout()))
+    a.restore_now([0, 1])
+    a.apply_batch(events, {0: 100, 1: 100})
+    a.checkpoint()
+    a.flush()
+    a.loop.stop()
+    b = service(tmp_path, "b", CheckpointStore(tmp_path / "ckpt", layout()), prefetch_mb=100)
+    off = service(tmp_path, "c", CheckpointStore(tmp_path / "ckpt", layout()))
+    try:
+        b.on_rebalancing()
+        off.on_rebalancing()  # prefetch_mb = 0: nothing read
+        assert off._prefetched == {}
+        b.on_group(GroupView(generation=2, partitions=2, owners={0: Member("c:1")}))
+        assert b._prefetched == {}
+        deadline = time.monotonic() + 30
+        while b._prefetch_held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b._prefetch_held == 0
+    finally:
+        for s in (b, off):
+            s.close()
+            s.loop.stop()
