@@ -63,10 +63,11 @@ def test_chunk_kernel_equals_reference(interpret, momentum, n_blocks, horizon):
             assert torch.equal(M[b, :, rows:], inp["M0"][b, :, rows:])
 
 
+@pytest.mark.parametrize("solve", tc.SOLVES)
 @pytest.mark.parametrize("momentum", [True, False])
-def test_chunk_kernel_gates_at_zero_and_one(interpret, momentum):
+def test_chunk_kernel_gates_at_zero_and_one(interpret, momentum, solve):
     """alpha = 1 (the state is forgotten: a = 0), eta at 0 and 1, theta at 0: cumulative
-    products, never ratios, so they are exact; a chunk of 32."""
+    products, never ratios, so they are exact; a chunk of 32; both triangular solves."""
     inp = make_inputs(3, 40, 1, 16, 16, momentum=momentum, seed=7)
     for name, value, every in (("alpha", 1.0, 5), ("theta", 0.0, 7), ("eta", 0.0, 3)):
         if inp[name] is not None:
@@ -75,11 +76,12 @@ def test_chunk_kernel_gates_at_zero_and_one(interpret, momentum):
         inp["eta"][:, 1::4] = 1.0
     inp["pos0"] = torch.tensor([0, 17, 300])
     inp["lengths"] = torch.tensor([40, 33, 38])
-    check(inp, dict(n_blocks=4, horizon=64), momentum, TIGHT, chunk_size=32)
+    check(inp, dict(n_blocks=4, horizon=64), momentum, TIGHT, chunk_size=32, solve=solve)
 
 
 def test_chunk_kernel_float32_and_backend_name(interpret):
-    """float32 inputs compute in float32 (the GPU path); the registered backend name."""
+    """float32 inputs compute in float32 (the GPU path); the registered backend name; the
+    doubling solve in float32."""
     inp = make_inputs(3, 18, 2, 8, 8, momentum=True, dtype=torch.float32, seed=3)
     inp["pos0"] = torch.tensor([0, 14, 2])
     inp["lengths"] = torch.tensor([18, 11, 0])
@@ -87,7 +89,8 @@ def test_chunk_kernel_float32_and_backend_name(interpret):
     y_ref, S_ref, M_ref = memory_scan_reference(**inp, **kw)
     y, S, M = memory_scan(**inp, **kw, backend="triton_chunk")
     assert y.dtype == S.dtype == torch.float32
-    for out, ref in ((y, y_ref), (S, S_ref), (M, M_ref)):
+    y2, S2, M2 = tc.memory_scan_triton_chunk(**inp, **kw, solve="doubling")
+    for out, ref in ((y, y_ref), (S, S_ref), (M, M_ref), (y2, y_ref), (S2, S_ref), (M2, M_ref)):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -95,7 +98,8 @@ def test_chunk_kernel_argument_checks(interpret, monkeypatch):
     inp = make_inputs(2, 3, 2, 8, 4, dtype=torch.float32)
     kw = dict(n_blocks=2, horizon=4)
     for bad, match in ((dict(chunk_size=8), "power of two"), (dict(chunk_size=24), "power"),
-                       (dict(input_precision="bf16"), "input_precision")):  # fmt: skip
+                       (dict(input_precision="bf16"), "input_precision"),
+                       (dict(solve="lu"), "solve")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             tc.memory_scan_triton_chunk(**inp, **kw, **bad)
     with pytest.raises(ValueError, match="n_blocks"):
