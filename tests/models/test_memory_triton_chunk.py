@@ -6,6 +6,12 @@ is slow."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +22,7 @@ from models.memory.proteus import open_rows
 from tests.models.test_memory import make_inputs
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -111,3 +118,25 @@ def test_chunk_kernel_argument_checks(interpret, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="CUDA"):
         tc.memory_scan_triton_chunk(**inp, **kw)
+
+
+def test_gpu_benchmark_dry_run(tmp_path):
+    """bench/gpu_chunk_kernel.py's whole flow on CPU (interpreter, tiny sizes): checks before
+    timings, the JSON with its summary and goals (fla skipped without CUDA)."""
+    out = tmp_path / "chunk.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_chunk_kernel.py"), "--dry-run", "--json",
+           str(out), "--ts", "16", "--variants", "subst/tf32x3/4,doubling/tf32x3/4"]  # fmt: skip
+    env = {**os.environ, "GIT_COMMIT": "abc123"}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["git_commit"] == "abc123" and r["dry_run"] and not r["skipped"]
+    assert set(r["checks"]) == {
+        f"{v}/{rule}" for v in r["variants"] for rule in ("momentum", "delta")
+    }
+    assert all(c["pass"] for c in r["checks"].values())
+    timings = r["timings"]["T=16"]
+    assert timings["sequential/momentum"]["events_per_s"] > 0
+    assert "skipped" in timings["fla_chunk_gdr/float32"]
+    assert r["summary"]["ratios"]["T=16/momentum/chunk_best_over_sequential"] > 0
+    assert r["summary"]["goals"]["T=16: chunk (delta) >= fla chunk_gated_delta_rule"] is None
