@@ -51,6 +51,9 @@ DOT_PRECISIONS = ("tf32x3", "tf32", "ieee")
 SOLVES = ("subst", "doubling")
 """The chunk's unit lower-triangular solve: forward substitution (C - 1 row steps on
 registers) or doubling (2 log2(C) - 2 [C, C] matmuls)."""
+LAST_LAUNCH: dict[str, Any] = {}
+"""Registers and spills per thread of the last launch's compiled kernel (where Triton
+reports them; the benchmark records them)."""
 MIN_DOT = 16
 """tl.dot wants every dimension >= 16: K, V blocks and the chunk are padded up to it."""
 
@@ -270,7 +273,7 @@ def memory_scan_triton_chunk(
     BV = max(MIN_DOT, min(_next_pow2(V), _next_pow2(block_v)))
     grid = (B, H, -(-V // BV))
     c = [x.contiguous() for x in (q, k, v, theta, alpha)]
-    _kernel()[grid](
+    compiled = _kernel()[grid](
         c[0], c[1], c[2], c[3], eta.contiguous() if momentum and eta is not None else c[3],
         c[4], y, S, M if M is not None else S,
         lengths.to(torch.int64).contiguous(), pos0.to(torch.int64).contiguous(),
@@ -280,6 +283,9 @@ def memory_scan_triton_chunk(
         PREC="ieee" if wide else input_precision, DOUBLING=solve == "doubling",
         LOG_C=chunk_size.bit_length() - 1, num_warps=num_warps,
     )  # fmt: skip
+    LAST_LAUNCH.update(
+        n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None)
+    )
     return (
         y.to(v.dtype),
         S.to(S0.dtype),
