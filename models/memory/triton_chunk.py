@@ -154,10 +154,17 @@ def _kernel() -> Any:
             kth = kc * th[:, None]
             dots_k = tl.dot(kc, tl.trans(kth), input_precision=PREC, out_dtype=DT)
             dots_q = tl.dot(qc, tl.trans(kth), input_precision=PREC, out_dtype=DT)
-            # (I + L)^-1 with L[i, s] = dots_k[i, s] G[i - 1, s] (strictly lower).
+            # L[i, s] = dots_k[i, s] G[i - 1, s] (strictly lower); G[i - 1, s] from
+            # A_prev[i, r] = A[i - 1, r] = prod_{r' = r+1..i-1} a_r' (r < i), a products too.
+            a_sh = tl.sum(shift * a[None, :], axis=1) + (rc == 0).to(DT)  # a_{i-1}; 1 at 0
+            A_prev = tl.cumprod(tl.where(rc[:, None] > rc[None, :] + 1, a_sh[:, None], 1.0), axis=0)
+            A_prev = tl.where(after, A_prev, 0.0)
+            G_prev = tl.dot(A_prev * o[None, :], Ep, input_precision=PREC, out_dtype=DT)
+            Lm = dots_k * G_prev
+            # (I + L)^-1
             if DOUBLING:
                 # L is nilpotent (L^C = 0): (I + L)^-1 = prod_m (I + (-L)^(2^m)), m < log2 C.
-                Nm = -dots_k * tl.dot(shift, G, input_precision=PREC, out_dtype=DT)
+                Nm = -Lm
                 inv = eye + Nm
                 for _ in tl.static_range(LOG_C - 1):
                     Nm = tl.dot(Nm, Nm, input_precision=PREC, out_dtype=DT)
@@ -166,9 +173,8 @@ def _kernel() -> Any:
                 # Forward substitution: row i of the inverse = e_i - sum_{s<i} L[i, s] inv[s].
                 inv = eye
                 for i in tl.static_range(1, C):
-                    g_row = tl.sum(tl.where(rc[:, None] == i - 1, G, 0.0), axis=0)  # [C(s)]
-                    d_row = tl.sum(tl.where(rc[:, None] == i, dots_k, 0.0), axis=0)
-                    row = tl.sum((g_row * d_row)[:, None] * inv, axis=0)
+                    l_i = tl.sum(tl.where(rc[:, None] == i, Lm, 0.0), axis=0)  # [C(s)]
+                    row = tl.sum(l_i[:, None] * inv, axis=0)
                     inv = tl.where(rc[:, None] == i, inv - row[None, :], inv)
             # The state reads and the chunk's corrected writes W.
             xk = tl.dot(kc, S, input_precision=PREC, out_dtype=DT)
