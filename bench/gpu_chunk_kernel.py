@@ -58,6 +58,12 @@ from benchinfo import git_commit  # noqa: E402
 
 SCHED = dict(n_blocks=16, horizon=256)  # the config defaults: Delta = 16
 H, K, V = 2, 32, 32
+DIMS = (H, K, V)
+ISSUE_DIMS, ISSUE_USERS, ISSUE_T = (4, 64, 64), 8192, 64
+"""Where the issue's 69.5 M events/s was measured (bench/results/memory_gpu_h200.json:
+H = 4, K = V = 64, 8192 users x 64 events, through the slab ingest entry point)."""
+ISSUE_TOP = 3
+"""Chunked variants (the fastest passing ones at T = 64) also timed at the issue's dims."""
 EVENTS = 1 << 21
 """User events per timed call (B = EVENTS // T users); times H head-events: 4.2 M."""
 TS = (64, 16, 256)  # T = 64 first: the goal's shape
@@ -65,19 +71,21 @@ BAR = 1e-3
 ISSUE_SEQUENTIAL_T64 = 69.5e6
 """The sequential kernel's events/s at T = 64 when the issue was written (H200)."""
 VARIANTS = (
+    "subst/tf32x3/1/32",
+    "doubling/tf32/1/32",
+    "subst/tf32/1/32",
+    "doubling/tf32x3/1/32",
+    "subst/tf32x3/2/32",
+    "subst/tf32x3/1/16",
     "subst/tf32x3/4/32",
     "subst/tf32x3/4/16",
-    "doubling/tf32x3/4/16",
-    "subst/tf32/4/32",
-    "subst/tf32x3/2/16",
-    "subst/tf32x3/1/16",
-    "doubling/tf32x3/4/32",
-    "subst/tf32/4/16",
 )
 """Chunked kernel launches: solve / float32 dot precision / num_warps / block_v. The first
 is the entry point's default; the rest run while the budget lasts (each is one more
-compile). ptxas (sm_90a, Triton 3.7) gives every one 255 registers; spills are smallest
-at 4 warps and 16 value columns (48 bytes, momentum), largest at 1 warp."""
+compile), roughly from the fewest SASS instructions per event (sm_90a, Triton 3.7, static
+counts of the chunk loop, momentum, per head-event at V = 32: 437, 250, 271, 472, 667, 663,
+1146, 1693; the sequential kernel's event loop: 456). With M = 16 rows per dot, warps
+beyond one mostly repeat the same [16, .] work; ptxas gives every variant 255 registers."""
 
 
 class StepTimeout(Exception):
@@ -90,8 +98,10 @@ def variant_kwargs(name: str) -> dict[str, Any]:
 
 
 def make_inputs(
-    B: int, T: int, momentum: bool, device: str, seed: int, ragged: bool = False
-) -> dict[str, Any]:
+    B: int, T: int, momentum: bool, device: str, seed: int, ragged: bool = False,
+    dims: tuple[int, int, int] = DIMS,
+) -> dict[str, Any]:  # fmt: skip
+    H, K, V = dims
     g = torch.Generator(device=device).manual_seed(seed)  # on the device: fast at 2M events
     pos0 = torch.randint(0, 2 * SCHED["horizon"], (B,), generator=g, device=device)
     if ragged:  # lengths 0..T, with 0, 1 and T present
@@ -149,14 +159,17 @@ def errors(out: Any, ref: Any) -> dict[str, Any]:
 _REFERENCES: dict[tuple[Any, ...], Any] = {}
 
 
-def check_variant(variant: str, momentum: bool, B: int, T: int, device: str) -> dict[str, Any]:
+def check_variant(
+    variant: str, momentum: bool, B: int, T: int, device: str,
+    dims: tuple[int, int, int] = DIMS,
+) -> dict[str, Any]:  # fmt: skip
     """The chunked variant against the sequential kernel (fp32) and both against the
     float64 recurrent oracle, on ragged users."""
     from models.memory.recurrent import memory_scan_recurrent
 
-    key = (B, T, momentum, device)
+    key = (B, T, momentum, device, dims)
     if key not in _REFERENCES:  # the same inputs and references for every variant
-        inp = make_inputs(B, T, momentum, device, seed=11, ragged=True)
+        inp = make_inputs(B, T, momentum, device, seed=11, ragged=True, dims=dims)
         with torch.no_grad():
             exact = {
                 n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
@@ -175,6 +188,7 @@ def check_variant(variant: str, momentum: bool, B: int, T: int, device: str) -> 
     return {
         "users": B,
         "T": T,
+        "dims_HKV": list(dims),
         "vs_sequential": vs_seq,
         "worst_rel_vs_sequential": worst,
         "chunk_vs_float64_oracle": errors(out, oracle),
@@ -289,9 +303,18 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     s["goals"]["T=64: chunk (momentum) >= 2x sequential, same run"] = (
         ratio >= 2 if ratio is not None else None
     )
-    best64 = s["best_chunk"].get("T=64/momentum", {}).get("events_per_s")
-    s["goals"]["T=64: chunk (momentum) >= 2x the issue's 69.5 M events/s"] = (
-        best64 >= 2 * ISSUE_SEQUENTIAL_T64 if best64 is not None else None
+    issue = result["timings"].get("issue_dims", {})
+    rates = {n: r.get("events_per_s") for n, r in issue.items() if isinstance(r, dict)}
+    chunk_rates = [r for n, r in rates.items() if n.startswith("chunk/") and r]
+    best_issue = max(chunk_rates, default=None)
+    seq_issue = rates.get("sequential/momentum")
+    s["issue_dims"] = {
+        "dims_HKV": list(ISSUE_DIMS), "users": ISSUE_USERS, "T": ISSUE_T, "events_per_s": rates,
+        "chunk_best_over_sequential": best_issue / seq_issue if best_issue and seq_issue else None,
+        "chunk_best_over_issue_figure": best_issue / ISSUE_SEQUENTIAL_T64 if best_issue else None,
+    }  # fmt: skip
+    s["goals"]["issue dims (H=4, K=V=64), T=64: chunk (momentum) >= 2x 69.5 M events/s"] = (
+        best_issue >= 2 * ISSUE_SEQUENTIAL_T64 if best_issue is not None else None
     )
     return s
 
@@ -422,14 +445,41 @@ def main() -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {label}: {brief(where[key])}", flush=True)
         return where[key]
 
-    def timed(make: Make, B: int, T: int) -> Callable[[], dict[str, Any]]:
+    def timed(make: Make, B: int, T: int, heads: int = H) -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
             r = time_call(make(), cuda, warmup, reps)  # inputs prepared outside the timing
             r.update(users=B, T=T, events_per_s=B * T / r["seconds"],
-                     head_events_per_s=B * T * H / r["seconds"])  # fmt: skip
+                     head_events_per_s=B * T * heads / r["seconds"])  # fmt: skip
             return r
 
         return run
+
+    def issue_phase() -> None:
+        """The momentum rule at the dims of the issue's 69.5 M events/s: the sequential
+        kernel and the fastest passing chunked variants at T = 64 (each checked first)."""
+        heads = ISSUE_DIMS[0]
+        B, T = (ISSUE_USERS, ISSUE_T) if cuda else (2, 20)
+        label = "issue_dims"
+        timings: dict[str, Any] = result["timings"].setdefault(label, {})
+        inputs: dict[str, Any] = {}
+        inp = attempt(inputs, "data", functools.partial(
+            make_inputs, B, T, True, device, T, dims=ISSUE_DIMS), f"{label}/inputs")  # fmt: skip
+        if inp is None or "error" in inp or "skipped" in inp:
+            timings["inputs"] = inputs.get("data")
+            return
+        attempt(timings, "sequential/momentum",
+                timed(lambda: lambda: sequential(**inp), B, T, heads), f"{label}/sequential")  # fmt: skip
+        first = result["timings"].get(f"T={Ts[0]}", {})
+        passing = [v for v in variants if result["checks"].get(f"{v}/momentum", {}).get("pass")]
+        for variant in sorted(passing, key=lambda v: -fastest(first, v))[:ISSUE_TOP]:
+            key = f"{variant}/momentum/issue_dims"
+            check = attempt(result["checks"], key, functools.partial(
+                check_variant, variant, True, max(4, check_users // 4), check_T, device, ISSUE_DIMS))  # fmt: skip
+            if not (isinstance(check, dict) and check.get("pass")):
+                continue
+            fn = chunked(variant)
+            attempt(timings, f"chunk/{variant}/momentum",
+                    timed(lambda f=fn: lambda: f(**inp), B, T, heads), f"{label}/{variant}")  # fmt: skip
 
     checked: set[str] = set()
     for n_T, T in enumerate(Ts):
@@ -464,6 +514,8 @@ def main() -> None:
                 continue
             attempt(timings, name, timed(make, B, T), f"T={T}/{name}")
         del data, made, inputs
+        if n_T == 0:
+            issue_phase()
     signal.setitimer(signal.ITIMER_REAL, 0)
     save()
     print(json.dumps(result["summary"], indent=1))
@@ -472,8 +524,8 @@ def main() -> None:
 def brief(r: Any) -> str:
     if not isinstance(r, dict):
         return str(r)
-    if set(r) == {"momentum", "delta"}:
-        return "made"
+    if all(x is None or isinstance(x, torch.Tensor | dict) for x in r.values()):
+        return "inputs made"
     if "events_per_s" in r:
         return f"{r['events_per_s']:.3e} events/s ({r['seconds'] * 1e3:.2f} ms, first call {r['first_call_s']:.1f} s)"
     if "pass" in r:

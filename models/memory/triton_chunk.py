@@ -231,7 +231,7 @@ def memory_scan_triton_chunk(
     qk_l2norm: bool = True,
     chunk_size: int = DEFAULT_CHUNK,
     block_v: int = 32,
-    num_warps: int = 4,
+    num_warps: int = 1,
     input_precision: str = "tf32x3",
     solve: str = "subst",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
