@@ -125,18 +125,20 @@ def test_gpu_benchmark_dry_run(tmp_path):
     timings, the JSON with its summary and goals (fla skipped without CUDA)."""
     out = tmp_path / "chunk.json"
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_chunk_kernel.py"), "--dry-run", "--json",
-           str(out), "--ts", "16", "--variants", "subst/tf32x3/1/32,doubling/tf32x3/4/16"]  # fmt: skip
+           str(out), "--ts", "16", "--variants", "subst/tf32x3/1/32,doubling/tf32/1/32"]  # fmt: skip
     env = {**os.environ, "GIT_COMMIT": "abc123"}
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(out.read_text())
     assert r["git_commit"] == "abc123" and r["dry_run"] and not r["skipped"]
-    assert set(r["checks"]) == {
-        f"{v}/{rule}" for v in r["variants"] for rule in ("momentum", "delta")
-    }
+    expect = {f"{v}/{rule}" for v in r["variants"] for rule in ("momentum", "delta")}
+    expect |= {f"{v}/momentum/issue_dims" for v in r["variants"]}  # the issue's H, K, V
+    assert set(r["checks"]) == expect
     assert all(c["pass"] for c in r["checks"].values())
     timings = r["timings"]["T=16"]
     assert timings["sequential/momentum"]["events_per_s"] > 0
     assert "skipped" in timings["fla_chunk_gdr/float32"]
     assert r["summary"]["ratios"]["T=16/momentum/chunk_best_over_sequential"] > 0
     assert r["summary"]["goals"]["T=16: chunk (delta) >= fla chunk_gated_delta_rule"] is None
+    issue = r["summary"]["issue_dims"]
+    assert issue["dims_HKV"] == [4, 64, 64] and issue["chunk_best_over_sequential"] > 0
