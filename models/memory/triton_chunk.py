@@ -23,13 +23,15 @@ G = (A diag(o)) E, F_i = sum_r A_{i,r} o_r prod_{r'<=r} e_{r'}:
     M_C = E_{C-1,0} M0 - K^T (E_{C-1,s} theta_s w_s)
 
 (locked rows: factors 1, 1 and 0, and k~ = 0 there, so they keep their bits). The [C, C]
-gate algebra and the triangular solve (forward substitution, C steps) run on registers; the
-state reads (K S, Q S, K M, Q M) and the rank-C writes are ``tl.dot`` (tensor cores on the
-GPU). The solve is forward substitution (``solve="subst"``: C - 1 row steps on registers) or
-doubling (``"doubling"``: L is nilpotent, so (I + L)^-1 = prod_m (I + (-L)^(2^m)) over
-m < log2 C, 2 log2(C) - 2 [C, C] matmuls); both are exact algebra, and both measured about
-2e-7 relative error in float32 against the float64 oracle under the interpreter. Float32 dots run at ``input_precision`` (default tf32x3: three TF32 passes, about
-fp32 accuracy; "tf32" is faster and about 1e-3 off).
+gate algebra and the triangular solve run on registers; the state reads (K S, Q S, K M,
+Q M) and the rank-C writes are ``tl.dot`` (tensor cores on the GPU). The solve is forward
+substitution (``solve="subst"``: C - 1 row steps) or doubling (``"doubling"``: L is
+nilpotent, so (I + L)^-1 = prod_m (I + (-L)^(2^m)) over m < log2 C, 2 log2(C) - 2 [C, C]
+matmuls); both are exact algebra, and under the interpreter (float32 dots computed exactly
+in float32) both are about 2e-7 relative from the float64 oracle. On the GPU float32 dots
+run at ``input_precision``: tf32x3 (default; three TF32 passes, about float32 accuracy) or
+tf32 (one pass, faster, less precise: the GPU benchmark checks it). One warp per program
+by default: the dots have 16 rows, and more warps mostly repeat the same work.
 
 ``memory_scan_triton_chunk`` has the common backend signature (padded [B, T, ...], S0/M0).
 Triton is imported on first use; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
