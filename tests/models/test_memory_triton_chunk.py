@@ -88,7 +88,7 @@ def test_chunk_kernel_gates_at_zero_and_one(interpret, momentum, solve):
 
 def test_chunk_kernel_float32_and_backend_name(interpret):
     """float32 inputs compute in float32 (the GPU path); the registered backend name; the
-    doubling solve in float32."""
+    doubling solve and the hand-split three-pass dots in float32."""
     inp = make_inputs(3, 18, 2, 8, 8, momentum=True, dtype=torch.float32, seed=3)
     inp["pos0"] = torch.tensor([0, 14, 2])
     inp["lengths"] = torch.tensor([18, 11, 0])
@@ -96,9 +96,11 @@ def test_chunk_kernel_float32_and_backend_name(interpret):
     y_ref, S_ref, M_ref = memory_scan_reference(**inp, **kw)
     y, S, M = memory_scan(**inp, **kw, backend="triton_chunk")
     assert y.dtype == S.dtype == torch.float32
-    y2, S2, M2 = tc.memory_scan_triton_chunk(**inp, **kw, solve="doubling")
-    for out, ref in ((y, y_ref), (S, S_ref), (M, M_ref), (y2, y_ref), (S2, S_ref), (M2, M_ref)):
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    outs = [(y, S, M), tc.memory_scan_triton_chunk(**inp, **kw, solve="doubling")]
+    outs.append(tc.memory_scan_triton_chunk(**inp, **kw, input_precision="tf32x3m"))
+    for out in outs:
+        for got, ref in zip(out, (y_ref, S_ref, M_ref), strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_chunk_kernel_argument_checks(interpret, monkeypatch):
