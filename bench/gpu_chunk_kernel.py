@@ -27,7 +27,9 @@ are also cut at mask changes), float32:
    ($GIT_COMMIT), command, sizes, checks, events/s per path, the ratios chunked /
    sequential (T = 64) and chunked / fla (each T), and pass/fail of each goal. A failing
    path is recorded and the others still run; steps that would start after ``--budget-s``
-   are skipped, and an alarm stops a step that runs past it.
+   are skipped, and an alarm stops a step that runs past it. Order, most important first:
+   T = 64 with the sequential kernel, three variants and fla float32; T = 16 and 256 with
+   the two fastest variants; the issue's dims; the other variants; fla bfloat16.
 
 ``--dry-run`` runs the whole flow on CPU under TRITON_INTERPRET=1 at tiny sizes (fla is
 tried, and recorded as skipped where it cannot run): a check of the script's logic, its
@@ -62,7 +64,7 @@ DIMS = (H, K, V)
 ISSUE_DIMS, ISSUE_USERS, ISSUE_T = (4, 64, 64), 8192, 64
 """Where the issue's 69.5 M events/s was measured (bench/results/memory_gpu_h200.json:
 H = 4, K = V = 64, 8192 users x 64 events, through the slab ingest entry point)."""
-ISSUE_TOP = 3
+ISSUE_TOP = 2
 """Chunked variants (the fastest passing ones at T = 64) also timed at the issue's dims."""
 EVENTS = 1 << 21
 """User events per timed call (B = EVENTS // T users); times H head-events: 4.2 M."""
@@ -326,10 +328,11 @@ Make = Callable[[], Callable[[], Any]]
 """Builds one timed call (inputs prepared outside the timing)."""
 
 
-def plan(data: dict[str, Any], variants: list[str], default: str) -> list[tuple[str, Make]]:
-    """What to time at one T, most important first (the budget may run out): the
-    sequential kernel and the default chunked variant for both rules, fla (float32, then
-    bfloat16), then the other chunked variants in the given order."""
+def plan(
+    data: dict[str, Any], variants: list[str], *, seq: bool, fla: tuple[torch.dtype, ...]
+) -> list[tuple[str, Make]]:
+    """What to time at one T, in order: the sequential kernel (``seq``), the first chunked
+    variant, fla at the ``fla`` dtypes, the other variants; both rules each."""
 
     def chunk_entry(variant: str, rule: str) -> tuple[str, Make]:
         def make() -> Callable[[], Any]:
@@ -344,10 +347,11 @@ def plan(data: dict[str, Any], variants: list[str], default: str) -> list[tuple[
     def fla_entry(dtype: torch.dtype) -> tuple[str, Make]:
         return f"fla_chunk_gdr/{str(dtype).split('.')[-1]}", lambda: fla_fn(data["delta"], dtype)
 
-    order = [e for rule, _ in RULES for e in (seq_entry(rule), chunk_entry(default, rule))]
-    order.append(fla_entry(torch.float32))
-    rest = [chunk_entry(v, rule) for v in variants if v != default for rule, _ in RULES]
-    return order + rest[:2] + [fla_entry(torch.bfloat16)] + rest[2:]
+    chunks = [[chunk_entry(v, rule) for rule, _ in RULES] for v in variants]
+    order = [seq_entry(rule) for rule, _ in RULES] if seq else []
+    order += chunks[0] if chunks else []
+    order += [fla_entry(d) for d in fla]
+    return order + [e for c in chunks[1:] for e in c]
 
 
 def both_rules(B: int, T: int, device: str) -> dict[str, Any]:
@@ -484,19 +488,25 @@ def main() -> None:
                     timed(lambda f=fn: lambda: f(**inp), B, T, heads), f"{label}/{variant}")  # fmt: skip
 
     checked: set[str] = set()
-    for n_T, T in enumerate(Ts):
+    datas: dict[int, Any] = {}
+
+    def run_T(T: int, chosen: list[str], *, seq: bool, fla: tuple[torch.dtype, ...]) -> None:
+        """Time ``chosen`` variants (each checked before its first timing) at T, with the
+        sequential kernel and fla if asked; the inputs are made once per T."""
         B = max(1, events // T)
         timings: dict[str, Any] = result["timings"].setdefault(f"T={T}", {})
-        inputs: dict[str, Any] = {}
-        made = attempt(inputs, "data", functools.partial(both_rules, B, T, device), f"T={T}/inputs")
-        if made is None or "error" in made or "skipped" in made:
-            timings["inputs"] = inputs.get("data")
-            continue
-        data = made
-        # After the first T, the variants that were fastest there come first.
-        first = result["timings"].get(f"T={Ts[0]}", {})
-        ranked = variants if n_T == 0 else sorted(variants, key=lambda v: -fastest(first, v))
-        for name, make in plan(data, ranked, variants[0]):
+        if T not in datas:
+            inputs: dict[str, Any] = {}
+            datas[T] = attempt(inputs, "data", functools.partial(both_rules, B, T, device),
+                               f"T={T}/inputs")  # fmt: skip
+            if datas[T] is None or "error" in datas[T] or "skipped" in datas[T]:
+                timings["inputs"] = inputs.get("data")
+        data = datas[T]
+        if data is None or "error" in data or "skipped" in data:
+            return
+        for name, make in plan(data, chosen, seq=seq, fla=fla):
+            if name in timings:
+                continue
             if name.startswith("chunk/"):
                 key = name.removeprefix("chunk/")
                 if key not in checked:  # the check comes before the variant's first timing
@@ -512,12 +522,32 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001
                     timings[name] = {"skipped": f"fla not importable: {type(exc).__name__}"}
                 save()
-                print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: {brief(timings[name])}")
+                print(
+                    f"[{time.perf_counter() - t_start:6.1f}s] T={T}/{name}: {brief(timings[name])}"
+                )
                 continue
             attempt(timings, name, timed(make, B, T), f"T={T}/{name}")
-        del data, made, inputs
-        if n_T == 0:
-            issue_phase()
+
+    def ranked() -> list[str]:
+        """Variants by their events/s at the first T (passing ones first, then in order)."""
+        first = result["timings"].get(f"T={Ts[0]}", {})
+        ok = [v for v in variants if all(result["checks"].get(f"{v}/{r}", {}).get("pass")
+                                         for r, _ in RULES)]  # fmt: skip
+        return sorted(ok, key=lambda v: -fastest(first, v)) + [v for v in variants if v not in ok]
+
+    # Most important first, the budget may run out: (1) T0 with the sequential kernel, the
+    # first three variants and fla float32; (2) every other T with the two fastest; (3) the
+    # issue's dims; (4) the other variants everywhere; (5) fla bfloat16.
+    fp32, bf16 = (torch.float32,), (torch.bfloat16,)
+    run_T(Ts[0], variants[:3], seq=True, fla=fp32)
+    for T in Ts[1:]:
+        run_T(T, ranked()[:2], seq=True, fla=fp32)
+    issue_phase()
+    for T in Ts:
+        run_T(T, ranked(), seq=False, fla=())
+    for T in Ts:
+        run_T(T, [], seq=False, fla=bf16)
+    datas.clear()
     signal.setitimer(signal.ITIMER_REAL, 0)
     save()
     print(json.dumps(result["summary"], indent=1))
