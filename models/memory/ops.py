@@ -7,9 +7,10 @@ Every backend has the signature of ``naive.memory_scan_reference``:
 Backends: ``reference`` (the definition), ``recurrent`` (vectorised, one step per event),
 ``chunk`` (exact chunked form for training, takes ``chunk_size``), ``chunk_aligned`` (the
 chunked form for inference with chunks aligned to the Proteus schedule, no autograd, takes
-``chunk_size``), ``triton`` (our fused CUDA kernel, forward only), and on CUDA machines with
-flash-linear-attention ``fla_chunk`` and ``fla_recurrent`` (gated delta rule only; ``fla``
-is an alias of ``fla_chunk``).
+``chunk_size``), ``triton`` (our fused CUDA kernel, forward only), ``triton_chunk`` (our
+chunked CUDA kernel, forward only; by name only, ``auto`` does not pick it), and on CUDA
+machines with flash-linear-attention ``fla_chunk`` and ``fla_recurrent`` (gated delta rule
+only; ``fla`` is an alias of ``fla_chunk``).
 
 With ``training=True`` the names ``triton`` and ``fla_chunk`` stand for the fused paths
 with a backward pass (``training.py``: ``triton_train.py``, fla's ``chunk_kda``), run
@@ -31,6 +32,7 @@ from models.memory.naive import memory_scan_reference
 from models.memory.readout import READOUT_MAX_EVENTS, memory_readout_chunk
 from models.memory.recurrent import at_last_event, flush_denormals, memory_scan_recurrent
 from models.memory.training import FUSED, guarded_scan, path_checked
+from models.memory.triton_chunk import memory_scan_triton_chunk
 from models.memory.triton_momentum import memory_scan_triton
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ BACKENDS: dict[str, ScanFn] = {
     "chunk": memory_scan_chunk,
     "chunk_aligned": memory_scan_chunk_aligned,
     "triton": memory_scan_triton,
+    "triton_chunk": memory_scan_triton_chunk,
 }
 FLA_BACKENDS = ("fla_chunk", "fla_recurrent")
 """Registered in BACKENDS only on CUDA machines with flash-linear-attention."""
