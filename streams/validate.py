@@ -172,7 +172,8 @@ def validate_record(
     action = action_from_wire(event.action)
     if action is None:
         problem = "bad_action", f"unknown action enum value {event.action}"
-    elif not math.isfinite(event.value):
+        return DeadLetter(*problem, topic, partition, offset, key, value)
+    if not math.isfinite(event.value):
         problem = "bad_value", f"value is {event.value}"
     else:
         problem = limits.ts_problem(ts_ms, now_ms)
