@@ -18,8 +18,10 @@
    consumer group), then step 2 again, so that an A/B of two engine paths sits in one run.
 
 Writes bench/results/ingest_<tag>.json (or $OUT/...) with machine, date, commit, command,
-both rates and their ratio (goal >= 0.5), batch sizes, where the time went, and bytes per
-resident user.
+both rates and their ratio (goal >= 0.5), batch sizes, where the time went (the engine's
+phases, and the CPU seconds of the process, of each of its threads and of the broker during
+each timed pass: ``cores_busy`` says how much of the machine's cores the pass used), and
+bytes per resident user.
 """
 
 from __future__ import annotations
