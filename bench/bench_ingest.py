@@ -18,8 +18,10 @@
    consumer group), then step 2 again, so that an A/B of two engine paths sits in one run.
 
 Writes bench/results/ingest_<tag>.json (or $OUT/...) with machine, date, commit, command,
-both rates and their ratio (goal >= 0.5), batch sizes, where the time went, and bytes per
-resident user.
+both rates and their ratio (goal >= 0.5), batch sizes, where the time went (the engine's
+phases, and the CPU seconds of the process, of each of its threads and of the broker during
+each timed pass: ``cores_busy`` says how much of the machine's cores the pass used), and
+bytes per resident user.
 """
 
 from __future__ import annotations
@@ -62,7 +64,57 @@ from streams.validate import ValidEvent  # noqa: E402
 log = logging.getLogger("bench_ingest")
 
 
-def raw_rate(cfg: Config, n: int) -> dict[str, float]:
+def cpu_s(stat: str) -> float:
+    """CPU seconds (user + system) from a /proc stat file (0 where unreadable: not Linux)."""
+    try:
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of each live Python thread of this process, by thread name."""
+    return {
+        t.name: cpu_s(f"/proc/self/task/{t.native_id}/stat")
+        for t in threading.enumerate()
+        if t.native_id is not None
+    }
+
+
+class CpuClock:
+    """CPU seconds of this process (and of each of its threads) and of the broker between
+    ``start`` and ``stop``: where the cores went during a timed pass. ``cores_busy`` is CPU
+    seconds per wall second; on the 2-core machine 2 is all there is, and a pass that
+    shows about 1 ran its threads one at a time (the GIL, or another process on the other
+    core)."""
+
+    def __init__(self, broker_pid: int | None) -> None:
+        self.pid = broker_pid
+        self.t0 = self.p0 = self.b0 = 0.0
+        self.threads: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.t0, self.p0 = time.perf_counter(), time.process_time()
+        self.b0 = cpu_s(f"/proc/{self.pid}/stat")
+        self.threads = thread_cpu_s()
+
+    def stop(self) -> dict[str, object]:
+        wall = time.perf_counter() - self.t0
+        proc = time.process_time() - self.p0
+        broker = cpu_s(f"/proc/{self.pid}/stat") - self.b0
+        now = thread_cpu_s()
+        threads = {n: round(c - self.threads.get(n, 0.0), 2) for n, c in now.items()}
+        return {
+            "wall_s": round(wall, 3),
+            "process_cpu_s": round(proc, 3),
+            "broker_cpu_s": round(broker, 3),
+            "cores_busy": round((proc + broker) / max(wall, 1e-9), 2),
+            "thread_cpu_s": {n: c for n, c in sorted(threads.items()) if c >= 0.01},
+        }
+
+
+def raw_rate(cfg: Config, n: int, broker_pid: int | None = None) -> dict[str, float]:
     """Plain kafka-python: poll all ``n`` records of the topic and decode each value."""
     k = cfg.kafka
     consumer = KafkaConsumer(
@@ -73,6 +125,8 @@ def raw_rate(cfg: Config, n: int) -> dict[str, float]:
     )
     consumer.assign([TopicPartition(k.topic, p) for p in range(k.partitions)])
     seen = decoded = 0
+    clock = CpuClock(broker_pid)
+    clock.start()
     start = time.perf_counter()
     while seen < n:
         for records in consumer.poll(timeout_ms=500, max_records=k.max_poll_records).values():
@@ -80,11 +134,18 @@ def raw_rate(cfg: Config, n: int) -> dict[str, float]:
                 decoded += bool(decode_event(rec.value).user_id)
             seen += len(records)
     elapsed = time.perf_counter() - start
+    cpu = clock.stop()
     consumer.close()
-    return {"events": seen, "seconds": elapsed, "events_per_s": seen / elapsed}
+    return {
+        "events": seen,
+        "seconds": elapsed,
+        "events_per_s": seen / elapsed,
+        "process_cpu_s": float(cpu["process_cpu_s"]),  # type: ignore[arg-type]
+        "broker_cpu_s": float(cpu["broker_cpu_s"]),  # type: ignore[arg-type]
+    }
 
 
-def end_to_end(cfg: Config, n: int) -> dict[str, object]:
+def end_to_end(cfg: Config, n: int, broker_pid: int | None = None) -> dict[str, object]:
     t_build = time.perf_counter()
     built = build_engine(cfg)
     build_s = time.perf_counter() - t_build
@@ -92,6 +153,7 @@ def end_to_end(cfg: Config, n: int) -> dict[str, object]:
     consumer = make_consumer(cfg.kafka, ingest)
     thread = threading.Thread(target=consumer.run, daemon=True)
     first_batch: list[float] = []
+    clock = CpuClock(broker_pid)
     apply_batch = ingest.apply_batch
     engine = built.engine
 
@@ -100,6 +162,7 @@ def end_to_end(cfg: Config, n: int) -> dict[str, object]:
     ) -> None:
         if not first_batch:
             first_batch.append(time.perf_counter())
+            clock.start()
         apply_batch(events, next_offsets, source)  # type: ignore[arg-type]
 
     ingest.apply_batch = timed_apply  # type: ignore[method-assign]
@@ -110,6 +173,7 @@ def end_to_end(cfg: Config, n: int) -> dict[str, object]:
             raise RuntimeError("the consumer stopped early")
         time.sleep(0.01)
     applied = time.perf_counter()
+    cpu = clock.stop()
     first = first_batch[0]
     resident, notes = built.loop.read(
         lambda: (
@@ -144,6 +208,7 @@ def end_to_end(cfg: Config, n: int) -> dict[str, object]:
         "users_resident": resident,
         "bytes_per_resident_user": store.bytes_per_user(),
         "device": str(store.device),
+        "cpu_first_batch_to_applied": cpu,
         "profile_seconds": profile,
     }
 
@@ -210,7 +275,7 @@ def main() -> None:
         with EventProducer(k) as producer:
             producer.send(stream_events(stream), limit=n, progress=False)
         produce_s = time.perf_counter() - t
-        raw = raw_rate(cfg, n)
+        raw = raw_rate(cfg, n, broker.pid)
 
         cfg.checkpoint.dir = str(work / "ckpt")
         cfg.checkpoint.interval_s = args.interval
@@ -222,7 +287,7 @@ def main() -> None:
         save_model(cfg.server.model_dir, model, vocab, cfg)
         if args.device != "auto":
             os.environ["CUDA_VISIBLE_DEVICES"] = "" if args.device == "cpu" else "0"
-        e2e = end_to_end(cfg, n)
+        e2e = end_to_end(cfg, n, broker.pid)
         other: dict[str, object] | None = None
         if args.compare:
             alt = load_config(None, [*args.set, *args.compare], environ={})
@@ -232,8 +297,8 @@ def main() -> None:
             alt.checkpoint.interval_s = args.interval
             alt.state.spill_dir = str(work / "spill-compare")
             alt.server.model_dir = cfg.server.model_dir
-            other = end_to_end(alt, n)
-        raw_after = raw_rate(cfg, n) if args.compare else None
+            other = end_to_end(alt, n, broker.pid)
+        raw_after = raw_rate(cfg, n, broker.pid) if args.compare else None
     shutil.rmtree(work, ignore_errors=True)
 
     ratio = float(e2e["events_per_s"]) / raw["events_per_s"]  # type: ignore[arg-type]

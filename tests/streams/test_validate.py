@@ -65,6 +65,29 @@ def test_each_rule_names_its_reason(key, value, reason):
     assert out.message
 
 
+@pytest.mark.parametrize("field", ["user_id", "item_id", "session_id", "event_id"])
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ("\U0001f600" * 8, True),  # 8 characters of 4 bytes: exactly the 32-byte limit
+        ("\U0001f600" * 8 + "x", False),  # 33 bytes
+        ("x" * 32, True),
+        ("\u00e9" * 16 + "x", False),  # 17 characters, 33 bytes
+    ],
+)
+def test_the_field_limit_counts_utf8_bytes_at_the_boundary(field, text, ok):
+    """validate_record skips encoding texts short enough to fit in any encoding; around
+    the limit it must still count bytes, not characters."""
+    fields = {**GOOD, field: text}
+    key = fields["user_id"].encode()
+    out = check(key, raw(**fields))
+    if ok:
+        assert isinstance(out, ValidEvent) and getattr(out, field) == text
+    else:
+        assert isinstance(out, DeadLetter) and out.reason == "field_too_long"
+        assert out.message == f"{field} is 33 bytes (limit 32)"
+
+
 MIN_TS = 631_152_000_000  # 1990-01-01, the default kafka.min_ts_ms
 
 
