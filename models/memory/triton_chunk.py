@@ -1,5 +1,9 @@
 """Chunked Triton kernel for the memory rule (forward only: ingest and ranking reads).
 
+Measured on an H200 (bench/results/chunk_kernel_h200.json) it is slower than the
+sequential ``triton_momentum`` kernel at these state sizes (0.46-0.91x), so ``auto`` never
+picks it; it is available by name (``memory.backend = triton_chunk``).
+
 The plain reference is ``naive.memory_scan_reference`` (one user, one event at a time);
 the algebra is that of ``chunk_aligned.py`` (docs/memory.md, ``chunk_aligned``), here
 inside one kernel:
