@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchinfo import git_commit
+from benchinfo import git_commit, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -405,16 +405,6 @@ def time_path(
 
 
 # ---------------------------------------------------------------- main
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("triton", "fla"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as exc:  # noqa: BLE001 - record, do not fail
-            out[mod] = f"unavailable: {exc}"
-    return out
 
 
 def main() -> None:

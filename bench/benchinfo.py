@@ -27,6 +27,20 @@ def git_commit() -> str:
     return commit or os.environ.get("GIT_COMMIT", "unknown")
 
 
+def versions(modules: tuple[str, ...] = ("triton", "fla")) -> dict[str, str]:
+    """Python's, torch's and each of ``modules``' version; a module that does not import is
+    recorded with the reason, never raised."""
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in modules:
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as exc:  # noqa: BLE001 - record, do not fail
+            out[mod] = f"unavailable: {type(exc).__name__}: {exc}"
+    return out
+
+
 def machine_facts() -> dict[str, object]:
     """Where a benchmark ran: host, CPU model and count, memory, load, Python and torch."""
     import platform

@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from benchinfo import git_commit  # noqa: E402
+from benchinfo import git_commit, versions  # noqa: E402
 
 SCHED = dict(n_blocks=16, horizon=256)  # the config defaults: Delta = 16
 H, K, V = 2, 32, 32
@@ -246,16 +246,6 @@ def fla_fn(inp: dict[str, Any], dtype: torch.dtype) -> Callable[[], Any]:
         )  # fmt: skip
 
     return run
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("triton", "fla"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as exc:  # noqa: BLE001 - record, do not fail
-            out[mod] = f"unavailable: {type(exc).__name__}: {exc}"
-    return out
 
 
 def rate(result: dict[str, Any], T: int, name: str) -> float | None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from benchinfo import git_commit  # noqa: E402
+from benchinfo import git_commit, versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -224,16 +224,6 @@ def ieee_recheck(out_dir: Path, seconds: float) -> dict[str, Any]:
         raise RuntimeError(proc.stderr[-1500:])
     checks = json.loads((sub / "memory_gpu.json").read_text())["checks"]
     return {"env": "TRITON_F32_DEFAULT=ieee", **checks["fla_chunk_kda_delta"]}
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("triton", "fla"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as exc:  # noqa: BLE001 - record, do not fail
-            out[mod] = f"unavailable: {exc}"
-    return out
 
 
 def main() -> None:
