@@ -52,7 +52,7 @@ import torch
 
 from models.memory.naive import L2_EPS
 from models.memory.proteus import schedule_delta
-from models.memory.triton_momentum import _check_device, _next_pow2
+from models.memory.triton_momentum import _next_pow2, check_scan_inputs
 
 DEFAULT_CHUNK = 16
 DOT_PRECISIONS = ("tf32x3", "tf32", "ieee", "tf32x3m")
@@ -279,21 +279,13 @@ def memory_scan_triton_chunk(
     for name, g in (("theta", theta), ("alpha", alpha), ("eta", eta)):
         if g is not None and g.shape != (B, T, H):
             raise ValueError(f"{name} must be [B={B}, T={T}, H={H}], got {tuple(g.shape)}")
-    if S0.shape != (B, H, K, V):
-        raise ValueError(f"S0 must be [B={B}, H={H}, K={K}, V={V}], got {tuple(S0.shape)}")
-    if lengths.shape != (B,) or pos0.shape != (B,):
-        raise ValueError("pos0 and lengths must be [B]")
-    if not 1 <= n_blocks <= K or horizon < 1:
-        raise ValueError(f"need 1 <= n_blocks <= K={K} and horizon >= 1")
+    check_scan_inputs(q, k, v, S0, pos0, lengths, n_blocks, horizon)
     if chunk_size < MIN_DOT or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= {MIN_DOT}, got {chunk_size}")
     if input_precision not in DOT_PRECISIONS:
         raise ValueError(f"input_precision must be one of {DOT_PRECISIONS}")
     if solve not in SOLVES:
         raise ValueError(f"solve must be one of {SOLVES}")
-    _check_device(q, k, v, S0, pos0, lengths)
-    if bool((lengths < 0).any()) or bool((lengths > T).any()):
-        raise ValueError(f"lengths must lie in 0..T={T}")
     momentum = eta is not None and M0 is not None
     wide = q.dtype == torch.float64
     dt = torch.float64 if wide else torch.float32

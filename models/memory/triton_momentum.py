@@ -115,6 +115,31 @@ def _kernel() -> Any:
     return memory_fwd_kernel
 
 
+def check_scan_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    S0: torch.Tensor,
+    pos0: torch.Tensor,
+    lengths: torch.Tensor,
+    n_blocks: int,
+    horizon: int,
+) -> None:
+    """The padded backend signature's shapes, devices, lengths and schedule, checked before
+    a Triton launch (``memory_scan_triton``, ``triton_chunk.memory_scan_triton_chunk``)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if S0.shape != (B, H, K, V):
+        raise ValueError(f"S0 must be [B={B}, H={H}, K={K}, V={V}], got {tuple(S0.shape)}")
+    if lengths.shape != (B,) or pos0.shape != (B,):
+        raise ValueError("pos0 and lengths must be [B]")
+    _check_device(q, k, v, S0, pos0, lengths)
+    if bool((lengths < 0).any()) or bool((lengths > T).any()):
+        raise ValueError(f"lengths must lie in 0..T={T}")
+    if not 1 <= n_blocks <= K or horizon < 1:
+        raise ValueError(f"need 1 <= n_blocks <= K={K} and horizon >= 1")
+
+
 def _check_device(*tensors: torch.Tensor) -> None:
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     for x in tensors:
@@ -287,18 +312,10 @@ def memory_scan_triton(
     """The common backend signature on the fused kernel (no autograd; fp32 inside)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if S0.shape != (B, H, K, V):
-        raise ValueError(f"S0 must be [B={B}, H={H}, K={K}, V={V}], got {tuple(S0.shape)}")
-    if lengths.shape != (B,) or pos0.shape != (B,):
-        raise ValueError("pos0 and lengths must be [B]")
-    if bool((lengths < 0).any()) or bool((lengths > T).any()):
-        raise ValueError(f"lengths must lie in 0..T={T}")
+    check_scan_inputs(q, k, v, S0, pos0, lengths, n_blocks, horizon)
     momentum = eta is not None and M0 is not None
     S = S0.detach().to(torch.float32).contiguous().clone()
     M = M0.detach().to(torch.float32).contiguous().clone() if momentum and M0 is not None else None
-    _check_device(q, k, v, S0, pos0, lengths)
-    if not 1 <= n_blocks <= K or horizon < 1:
-        raise ValueError(f"need 1 <= n_blocks <= K={K} and horizon >= 1")
     dev = q.device
     # Padded layout: user b's events sit at b*T + i for i < lengths[b]; padding is skipped
     # and its y stays zero.
