@@ -60,6 +60,7 @@ RANGES: dict[str, str] = {
     "eval.batch_users": "[1, inf)",
     "eval.jobs": "[1, inf)",
     "kafka.max_poll_records": "[1, inf)",
+    "kafka.consumer_processes": "[0, 64]",
     "kafka.max_wait_ms": "[0, inf)",
     "kafka.session_timeout_ms": "[1, inf)",
     "kafka.heartbeat_interval_ms": "[1, inf)",

@@ -9,6 +9,7 @@ from typing import Any
 
 from streams.config import KafkaConfig
 from streams.consumer_base import BaseConsumer
+from streams.processes import ConsumerProcesses
 from streams.sink import BatchSink
 
 CLIENTS = ("kafka-python", "confluent")
@@ -27,6 +28,13 @@ def consumer_class(client: str) -> Callable[..., BaseConsumer]:
     raise ValueError(f"kafka.client {client!r} is not one of {', '.join(CLIENTS)}")
 
 
-def make_consumer(cfg: KafkaConfig, sink: BatchSink, **kwargs: Any) -> BaseConsumer:
-    """The consumer of ``cfg.client`` over ``sink`` (keyword arguments: BaseConsumer's)."""
+def make_consumer(
+    cfg: KafkaConfig, sink: BatchSink, **kwargs: Any
+) -> BaseConsumer | ConsumerProcesses:
+    """The consumer of ``cfg.client`` over ``sink`` (keyword arguments: BaseConsumer's),
+    in this process; with ``cfg.consumer_processes`` > 0 that many of them in child
+    processes (streams/processes.py), which take ``metrics``, ``client_id`` and ``member``."""
+    consumer_class(cfg.client)  # an unknown client fails here, not in the children
+    if cfg.consumer_processes > 0:
+        return ConsumerProcesses(cfg, sink, cfg.consumer_processes, **kwargs)
     return consumer_class(cfg.client)(cfg, sink, **kwargs)

@@ -24,6 +24,13 @@ class KafkaConfig:
     (librdkafka through confluent-kafka, streams/confluent.py: the same batches, commits,
     restores and dead letters, but no group member data, so no routing: refused with
     ``recmem serve``'s ingest and with server.advertised_address; docs/streams.md)."""
+    consumer_processes: int = 0
+    """0: the consumer runs in a thread of the engine's process (default). N > 0: N consumer
+    processes, each a member of the group, decode and validate records and hand the
+    batches to the engine's process over pipes (streams/processes.py), so the client's
+    and the engine's Python no longer take turns on one GIL. Each process opens its own
+    connections and takes its share of the partitions (at most ``partitions`` do work).
+    The checkpoints and the exactly-once guarantees are the same; docs/streams.md."""
     security_protocol: str = "PLAINTEXT"
     """PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL."""
     sasl_mechanism: str = ""

@@ -64,6 +64,11 @@ class Restoring:
     def __repr__(self) -> str:
         return "RESTORING"
 
+    def __reduce__(self) -> str:
+        # pickled by name, so that it is still ``RESTORING`` after crossing a process
+        # boundary (streams/processes.py): callers test ``is RESTORING``
+        return "RESTORING"
+
 
 RESTORING: Final = Restoring()
 """``on_assigned``'s answer for a partition the sink restores in the background."""

@@ -94,7 +94,7 @@ class RecMemService:
         self._thread: threading.Thread | None = None
         if ingest:
             # group routing needs kafka-python's member data (confluent is refused above)
-            from streams.consumer import EventConsumer
+            from streams.clients import make_consumer
 
             assert self.owners is not None
             self.ingest = KafkaIngest(
@@ -111,7 +111,7 @@ class RecMemService:
                 metrics_port=0,  # served below instead
             )
             member = Member(address=self.server.address, tag=self.built.model_version)
-            self.consumer = EventConsumer(kafka, self.ingest, metrics=self.metrics, member=member)
+            self.consumer = make_consumer(kafka, self.ingest, metrics=self.metrics, member=member)
 
     @property
     def port(self) -> int:

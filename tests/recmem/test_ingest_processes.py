@@ -1,0 +1,257 @@
+"""kafka.consumer_processes > 0 (streams/processes.py) on a real tansu broker: consumer
+processes feeding the engine of this process apply the same state, checkpoint and commit
+the same offsets and write the same dead letters as the in-thread consumer; a stop and
+restart skips nothing and applies nothing twice; a consumer process killed with SIGKILL
+stops the ingest with an error, and the restart continues exactly; an error of the sink
+stops every process without a checkpoint after it; the children's figures are summed on
+the engine process's registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from recmem.config import Config, ConfigError, validate
+from recmem.engine.builder import build_engine
+from recmem.ingest import KafkaIngest, register_gauges
+from streams.clients import make_consumer
+from streams.processes import ConsumerProcesses, pack_events, unpack_events
+from streams.sink import RESTORING
+from streams.validate import REASONS, ValidEvent
+from tests.recmem.test_ingest import (
+    REPO,
+    ConsumerThread,
+    alive,
+    assert_checkpoints_equal_clean_pass,
+    caught_up,
+    checkpoints_of,
+    make_events,
+    send_with_bad,
+    service_config,
+    stop_service,
+    wait_until,
+)
+from tests.recmem.test_ingest_confluent import committed, dead_letters, for_client
+from tests.streams.sinks import RecordingSink
+
+
+def start_service(cfg: Config):
+    built = build_engine(cfg, device="cpu")
+    ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
+    consumer = make_consumer(cfg.kafka, ingest)
+    register_gauges(consumer.metrics, built.engine)
+    thread = ConsumerThread(consumer)  # type: ignore[arg-type]
+    thread.start()
+    return built, ingest, consumer, thread
+
+
+def figure(consumer, name: str, labels: dict[str, str] | None = None) -> float:
+    value = consumer.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+def test_events_cross_the_pipe_as_columns_and_restoring_stays_itself():
+    events = [
+        ValidEvent("u1", "i1", 5, 0, 1.0, None, 0, 7),
+        ValidEvent("u2", "i2", 6, 2, 0.5, "s", 1, 8, event_id="e"),
+    ]
+    assert unpack_events(pickle.loads(pickle.dumps(pack_events(events)))) == events
+    assert unpack_events(pack_events([])) == []
+    assert pickle.loads(pickle.dumps(RESTORING)) is RESTORING
+
+
+def test_processes_apply_the_same_state_offsets_and_dead_letters(tmp_path, kafka_config):
+    base = service_config(tmp_path, kafka_config(partitions=3))
+    events = make_events(600, 40, seed=21)
+    ends = send_with_bad(base, events, seed=21, n_bad=9)
+    out = {}
+    for procs in (0, 2):
+        # a group, checkpoint directory and dead-letter topic of its own
+        cfg = for_client(base, tmp_path / f"p{procs}", f"kafka-python-{procs}")
+        cfg.kafka = dataclasses.replace(cfg.kafka, client="kafka-python", consumer_processes=procs)
+        built, ingest, consumer, thread = start_service(cfg)
+        assert (type(consumer) is ConsumerProcesses) == (procs > 0)
+        wait_until(lambda cfg=cfg: caught_up(cfg, ends), 90, f"{procs} processes: caught up")
+        applied = built.engine.totals.events
+        if procs:
+            # every child sent its figures: summed here; the sink's own gauges are kept
+            wait_until(
+                lambda c=consumer: figure(c, "recmem_ingest_events_total") == len(events),
+                10,
+                "the children's figures",
+            )
+            assert figure(consumer, "recmem_ingest_records_total") == len(events) + 9
+            dead = sum(
+                figure(consumer, "recmem_ingest_dead_letters_total", {"reason": r}) for r in REASONS
+            )
+            assert dead == 9
+            assert figure(consumer, "recmem_ingest_assigned_partitions") == 3
+            assert figure(consumer, "recmem_ingest_bytes_per_user") > 0
+            assert sorted(consumer.assignment) == [0, 1, 2]
+        stop_service(built, ingest, consumer, thread)
+        assert thread.error is None, thread.error
+        store = checkpoints_of(cfg)
+        out[procs] = {
+            "applied": applied,
+            "offsets": {p: store.latest_offset(p) for p in range(3)},
+            "committed": committed(cfg),
+            "dead": dead_letters(cfg, 9),
+            "ckpt": {p: store.restore(p) for p in range(3)},
+        }
+        assert_checkpoints_equal_clean_pass(cfg, events, tmp_path / f"p{procs}")
+    a, b = out[0], out[2]
+    assert a["applied"] == b["applied"] == len(events)
+    assert a["offsets"] == b["offsets"] == {p: ends.get(p, 0) for p in range(3)}
+    assert a["committed"] == b["committed"] == {p: ends.get(p, 0) for p in range(3)}
+    assert len(b["dead"]) == 9 and a["dead"] == b["dead"]
+    for p in range(3):
+        ca, cb = a["ckpt"][p], b["ckpt"][p]
+        assert ca.user_ids == cb.user_ids
+        assert torch.equal(ca.state.pos, cb.state.pos)
+        torch.testing.assert_close(ca.state.S, cb.state.S, rtol=1e-4, atol=1e-5)
+
+
+def test_processes_stop_restart_and_a_killed_process(tmp_path, kafka_config):
+    """Stop and restart: nothing skipped or applied twice. Then SIGKILL one consumer
+    process: the ingest stops with an error naming it, and a restart ends exactly where a
+    clean pass does."""
+    cfg = service_config(tmp_path, kafka_config(partitions=4, consumer_processes=2))
+    events = make_events(1500, 60, seed=8)
+    ends = send_with_bad(cfg, events[:600], seed=8, n_bad=5)
+    built, ingest, consumer, thread = start_service(cfg)
+    wait_until(lambda: caught_up(cfg, ends), 90, "checkpoints at the end offsets")
+    stop_service(built, ingest, consumer, thread)
+    assert thread.error is None and built.engine.totals.events == 600
+    assert committed(cfg) == {p: ends.get(p, 0) for p in range(4)}
+
+    send_with_bad(cfg, events[600:1000], seed=9, n_bad=4, ends=ends)
+    built, ingest, consumer, thread = start_service(cfg)
+    wait_until(lambda: caught_up(cfg, ends), 90, "checkpoints at the end offsets")
+    assert built.engine.totals.events == 400
+    children = [c.process for c in consumer._children]
+    assert len(children) == 2 and all(p.is_alive() for p in children)
+    os.kill(children[0].pid, signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert isinstance(thread.error, RuntimeError)
+    assert "consumer process 0 exited with code -9" in str(thread.error)
+    assert not any(p.is_alive() for p in children)
+    ingest.close()
+    built.close()
+
+    send_with_bad(cfg, events[1000:], seed=10, n_bad=4, ends=ends)
+    built, ingest, consumer, thread = start_service(cfg)
+    wait_until(lambda: caught_up(cfg, ends), 90, "checkpoints at the end offsets")
+    stop_service(built, ingest, consumer, thread)
+    assert thread.error is None
+    assert committed(cfg) == {p: ends.get(p, 0) for p in range(4)}
+    assert_checkpoints_equal_clean_pass(cfg, events, tmp_path)
+
+
+class FailingSink(RecordingSink):
+    """Raises on its second batch; counts the calls after that."""
+
+    def __init__(self) -> None:
+        super().__init__()  # no periodic checkpoints: only the final ones would write
+        self.failed = False
+        self.after: list[str] = []
+
+    def apply_batch(self, events, next_offsets, source=None):  # type: ignore[override]
+        if self.batches >= 1 or self.failed:
+            self.failed = True
+            raise ValueError("the engine broke")
+        super().apply_batch(events, next_offsets, source)
+
+    def checkpoint(self) -> dict[int, int]:
+        if self.failed:
+            self.after.append("checkpoint")
+        return super().checkpoint()
+
+
+def test_a_sink_error_stops_every_process_without_a_checkpoint(tmp_path, kafka_config):
+    cfg = service_config(
+        tmp_path, kafka_config(partitions=2, consumer_processes=2, max_poll_records=50)
+    )
+    ends = send_with_bad(cfg, make_events(400, 30, seed=3), seed=3, n_bad=0)
+    assert sum(ends.values()) == 400
+    sink = FailingSink()
+    consumer = ConsumerProcesses(cfg.kafka, sink, 2)
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            consumer.run()
+        except BaseException as e:  # noqa: BLE001 - read below
+            error.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    started = time.monotonic()
+    t.start()
+    t.join(timeout=90)
+    assert not t.is_alive(), "the consumer processes did not stop"
+    assert len(error) == 1 and isinstance(error[0], ValueError), error
+    assert "the engine broke" in str(error[0])
+    assert sink.failed and sink.after == []
+    assert not any(c.process.is_alive() for c in consumer._children)
+    assert time.monotonic() - started < 90
+
+
+def test_the_configuration_bounds_the_processes():
+    cfg = Config()
+    cfg.kafka.consumer_processes = 65
+    with pytest.raises(ConfigError, match=r"kafka.consumer_processes = 65 is outside \[0, 64\]"):
+        validate(cfg)
+    cfg.kafka.consumer_processes = 4
+    validate(cfg)
+    with pytest.raises(ValueError, match="consumer processes must be >= 1"):
+        ConsumerProcesses(cfg.kafka, RecordingSink(), 0)
+
+
+def children_of(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out |= {int(x) for x in text}
+    return out
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a reaped-later child of this test counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_consumer_processes_leave_when_the_engine_process_is_killed(tmp_path, kafka_config):
+    cfg = service_config(tmp_path, kafka_config(partitions=2, consumer_processes=2))
+    cfg_path = tmp_path / "ingest.toml"
+    cfg_path.write_text(cfg.to_toml())
+    ends = send_with_bad(cfg, make_events(300, 20, seed=4), seed=4, n_bad=0)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    log_path = tmp_path / "ingest.log"
+    cmd = [sys.executable, "-m", "recmem.cli", "ingest", "--config", str(cfg_path)]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
+        try:
+            wait_until(lambda: alive(proc, log_path) and caught_up(cfg, ends), 90, "caught up")
+            kids = children_of(proc.pid)
+            assert len([k for k in kids if running(k)]) >= 2, kids
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+    # orphaned, each notices its parent is gone and closes (no checkpoint is written)
+    wait_until(lambda: not any(running(k) for k in kids), 30, "the consumer processes to exit")
+    assert "the engine process is gone" in log_path.read_text()
