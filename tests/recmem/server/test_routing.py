@@ -1,5 +1,5 @@
 """Two `recmem serve` services in one consumer group on the real broker (in this process; b
-also with front-end processes, server.frontends):
+also with front-end processes, server.frontends, or with consumer processes):
 both learn the same partition -> owner map; a Rank or InspectUser for a user the other one
 owns is forwarded (one hop) and answers exactly what the owner answers; a redirecting
 instance names the owner; a forwarded call is never forwarded again; RankClient routes by
@@ -35,10 +35,14 @@ def wait_until(pred, timeout_s: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-@pytest.fixture(params=[0, 2], ids=["one-process", "b-frontends"])
+@pytest.fixture(
+    params=[(0, 0), (2, 0), (0, 2)], ids=["one-process", "b-frontends", "b-consumer-processes"]
+)
 def pair(request, tmp_path, kafka_config):
-    """Services a (forward) and b (redirect; with ``server.frontends`` = the param: its
-    answers, redirects included, come through front-end processes)."""
+    """Services a (forward) and b (redirect; with ``server.frontends`` = the param's first
+    value: its answers, redirects included, come through front-end processes; with
+    ``kafka.consumer_processes`` = its second: b is two members of the group, in processes
+    of their own, that feed b's one engine)."""
     env = make_env(tmp_path / "spill-env", n_users=1)
     cfg = env.cfg
     cfg.kafka = kafka_config(partitions=4)
@@ -59,7 +63,7 @@ def pair(request, tmp_path, kafka_config):
         producer.send(events, progress=False)
     cfg_b = copy.deepcopy(cfg)
     cfg_b.server.routing = "redirect"
-    cfg_b.server.frontends = request.param
+    cfg_b.server.frontends, cfg_b.kafka.consumer_processes = request.param
     a = RecMemService(cfg, device="cpu").start()
     b = RecMemService(cfg_b, device="cpu").start()
     try:
