@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 from prometheus_client.core import CounterMetricFamily
 
 from models.state import MemoryState
@@ -44,6 +45,7 @@ from recmem.engine.builder import BuiltEngine, build_engine
 from recmem.engine.engine import Engine
 from recmem.engine.loop import EngineLoop, LoopStopped
 from recmem.state_store import UserStateStore
+from streams.batch import EventBatch
 from streams.group import GroupView, Member
 from streams.metrics import IngestMetrics
 from streams.sink import RESTORING, Restoring, Resume, SourceMarks
@@ -423,16 +425,23 @@ class KafkaIngest:
             log.warning("partitions %s: a newer generation owns them; dropped here", fenced)
             self._forget(fenced)
 
+    takes_columns = True
+    """``apply_batch`` takes an EventBatch too (consumer processes send columns)."""
+
     def apply_batch(
         self,
-        events: list[ValidEvent],
+        events: list[ValidEvent] | EventBatch,
         next_offsets: dict[int, int],
         source: SourceMarks | None = None,
     ) -> None:
         self._drop_fenced()
         if any(p not in self.assigned for p in next_offsets):
             # a partition dropped here after a fenced write: not ours to apply
-            events = [e for e in events if e.partition in self.assigned]
+            if isinstance(events, EventBatch):
+                mine = np.isin(events.partition, sorted(self.assigned))
+                events = events.take(np.nonzero(mine)[0])
+            else:
+                events = [e for e in events if e.partition in self.assigned]
             next_offsets = {p: o for p, o in next_offsets.items() if p in self.assigned}
         try:
             self.loop.submit_apply(events)

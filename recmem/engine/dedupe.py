@@ -14,21 +14,16 @@ keys are part of that checkpoint (arrays ``seen.*``). Owned by the engine (one t
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 
-from streams.validate import ValidEvent
+from streams.batch import event_key
+
+__all__ = ["PREFIX", "SeenEvents", "event_key"]
 
 PREFIX = "seen."
-
-
-def event_key(e: ValidEvent) -> int:
-    """A stable 63-bit key of ``e`` (the same in every process)."""
-    text = f"id\x00{e.event_id}" if e.event_id else f"ev\x00{e.item_id}\x00{e.ts_ms}\x00{e.action}"
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 class SeenEvents:
@@ -44,28 +39,30 @@ class SeenEvents:
         self.dropped = 0
         """Duplicates dropped so far."""
 
-    def filter(self, events: Sequence[ValidEvent]) -> list[ValidEvent]:
-        """The events that are not duplicates (of the user's recent events or of an earlier
-        one in ``events``), in order; their keys become the users' recent keys."""
+    def keep(self, user_ids: Sequence[str], keys: np.ndarray) -> np.ndarray:
+        """Indices of the events (``user_ids[i]``, ``keys[i]``: streams.batch.event_key) that
+        are not duplicates (of the user's recent events or of an earlier one in the batch),
+        in order; their keys become the users' recent keys."""
         if self.window == 0:
-            return list(events)
+            return np.arange(len(user_ids))
         kept = []
-        for e in events:
-            keys = self._keys.get(e.user_id)
-            if keys is None:
-                keys = self._keys[e.user_id] = deque()
-                self._sets[e.user_id] = set()
-            known = self._sets[e.user_id]
-            k = event_key(e)
+        window = self.window
+        keys_of, sets = self._keys, self._sets
+        for i, (user, k) in enumerate(zip(user_ids, keys.tolist())):
+            recent = keys_of.get(user)
+            if recent is None:
+                recent = keys_of[user] = deque()
+                sets[user] = set()
+            known = sets[user]
             if k in known:
                 self.dropped += 1
                 continue
-            keys.append(k)
+            recent.append(k)
             known.add(k)
-            if len(keys) > self.window:
-                known.discard(keys.popleft())
-            kept.append(e)
-        return kept
+            if len(recent) > window:
+                known.discard(recent.popleft())
+            kept.append(i)
+        return np.asarray(kept, dtype=np.int64)
 
     def export(self, user_ids: list[str]) -> dict[str, np.ndarray]:
         if self.window == 0:

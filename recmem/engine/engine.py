@@ -36,6 +36,7 @@ from recmem.engine.tails import RecentEvents
 from recmem.ranking import ReplayCache, UserEvents
 from recmem.state_store import UserStateStore
 from recmem.vocab import ItemVocab
+from streams.batch import EventBatch
 from streams.validate import ValidEvent
 
 log = logging.getLogger(__name__)
@@ -78,34 +79,33 @@ class GroupedBatch:
     lengths: np.ndarray
 
 
-def group_events(events: Sequence[ValidEvent], vocab: ItemVocab) -> GroupedBatch:
+def group_events(events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab) -> GroupedBatch:
     """Group by user in first-appearance order, each user's events in batch order."""
-    if not events:
+    b = events if isinstance(events, EventBatch) else EventBatch.of(events)
+    n = len(b)
+    if not n:
         z = np.zeros((0, 0), dtype=np.int64)
         return GroupedBatch([], [], z, z.copy(), z.copy(), np.zeros(0, dtype=np.int64))
     code_of: dict[str, int] = {}
     codes = np.fromiter(
-        (code_of.setdefault(e.user_id, len(code_of)) for e in events),
-        dtype=np.int64,
-        count=len(events),
+        (code_of.setdefault(u, len(code_of)) for u in b.user_id), dtype=np.int64, count=n
     )
     n_users = len(code_of)
     lengths = np.bincount(codes, minlength=n_users).astype(np.int64)
     order = np.argsort(codes, kind="stable")
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    col = np.empty(len(events), dtype=np.int64)
-    col[order] = np.arange(len(events)) - np.repeat(starts, lengths)
-    T = int(lengths.max()) if n_users else 0
+    col = np.empty(n, dtype=np.int64)
+    col[order] = np.arange(n) - np.repeat(starts, lengths)
+    T = int(lengths.max())
     items = np.zeros((n_users, T), dtype=np.int64)
     actions = np.zeros((n_users, T), dtype=np.int64)
     ts = np.zeros((n_users, T), dtype=np.int64)
-    items[codes, col] = vocab.encode(e.item_id for e in events)
-    actions[codes, col] = np.fromiter((e.action for e in events), np.int64, len(events))
-    ts[codes, col] = np.fromiter((e.ts_ms for e in events), np.int64, len(events))
-    partitions = [0] * n_users
-    for e in events:
-        partitions[code_of[e.user_id]] = e.partition
-    return GroupedBatch(list(code_of), partitions, items, actions, ts, lengths)
+    items[codes, col] = vocab.encode(b.item_id)
+    actions[codes, col] = b.action
+    ts[codes, col] = b.ts_ms
+    partitions = np.zeros(n_users, dtype=np.int64)
+    partitions[codes] = b.partition  # a user's events share one partition
+    return GroupedBatch(list(code_of), partitions.tolist(), items, actions, ts, lengths)
 
 
 @dataclass
@@ -194,7 +194,7 @@ class Engine:
 
     # ---- ingest ------------------------------------------------------------------------
 
-    def apply(self, events: Sequence[ValidEvent]) -> ApplyCounts:
+    def apply(self, events: Sequence[ValidEvent] | EventBatch) -> ApplyCounts:
         """Apply one micro-batch; every user's position advances by its number of events."""
         return self._run(self.plan(events))
 
@@ -212,14 +212,17 @@ class Engine:
         self.totals.batches += 1
         return plan.counts
 
-    def plan(self, events: Sequence[ValidEvent]) -> IngestPlan:
-        """Group a batch by user and cut it into pieces (no state is read or changed)."""
+    def plan(self, events: Sequence[ValidEvent] | EventBatch) -> IngestPlan:
+        """Group a batch (event objects, or columns from consumer processes: the same
+        result) by user and cut it into pieces (no state is read or changed; the duplicate
+        policy's keys are updated)."""
         t0 = time.perf_counter()
-        kept = self.seen.filter(events)
-        batch = group_events(kept, self.vocab)
+        b = events if isinstance(events, EventBatch) else EventBatch.of(events)
+        kept = self.seen.keep(b.user_id, b.key)
+        batch = group_events(b if len(kept) == len(b) else b.take(kept), self.vocab)
         self.seconds["group"] += time.perf_counter() - t0
         plan = self.plan_grouped(batch)
-        plan.counts.duplicates = len(events) - len(kept)
+        plan.counts.duplicates = len(b) - len(kept)
         return plan
 
     def plan_grouped(self, batch: GroupedBatch) -> IngestPlan:

@@ -49,6 +49,7 @@ import torch
 from models.memory.recurrent import process_flushes_denormals
 from recmem.engine.engine import ApplyCounts, Engine, IngestPlan, Piece, UserInfo
 from recmem.ranking import BatchRanker, RankQuery, RankResult
+from streams.batch import EventBatch
 from streams.validate import ValidEvent
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class PartitionUnavailable(LookupError):
 
 @dataclass
 class _Apply:
-    events: Sequence[ValidEvent]
+    events: Sequence[ValidEvent] | EventBatch
     future: Future[ApplyCounts]
     plan: IngestPlan | None = None
     dispatched: int = 0
@@ -207,7 +208,7 @@ class EngineLoop:
 
         return self.read(read).result(timeout)
 
-    def submit_apply(self, events: Sequence[ValidEvent]) -> Future[ApplyCounts]:
+    def submit_apply(self, events: Sequence[ValidEvent] | EventBatch) -> Future[ApplyCounts]:
         """Queue one ingest batch (in order with the other ingest work). Blocks while
         ``max_pending`` batches are queued or in flight; raises LoopStopped once ingest
         failed or the loop stops."""
@@ -224,7 +225,9 @@ class EngineLoop:
             raise
         return fut
 
-    def apply(self, events: Sequence[ValidEvent], timeout: float | None = None) -> ApplyCounts:
+    def apply(
+        self, events: Sequence[ValidEvent] | EventBatch, timeout: float | None = None
+    ) -> ApplyCounts:
         """``submit_apply`` and wait until the batch is installed."""
         return self.submit_apply(events).result(timeout)
 

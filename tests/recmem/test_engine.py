@@ -1,12 +1,16 @@
+import pickle
+
 import numpy as np
 import pytest
 import torch
 
 from models.recommender import MemoryRecommender
+from recmem.archive import NoteBank
 from recmem.config import Config
 from recmem.engine import Engine, group_events
 from recmem.state_store import StateLayout, UserStateStore
 from recmem.vocab import ItemVocab
+from streams.batch import EventBatch, event_key
 from streams.validate import ValidEvent
 
 
@@ -267,6 +271,60 @@ def test_duplicates_are_dropped_counted_and_kept_across_checkpoints(tmp_path):
     assert restored.apply([ided[1]]).duplicates == 1
     cfg.state.dedupe_window = 0  # off: every event applies
     assert make_engine(tmp_path / "c", cfg=cfg).apply([e[0], e[0]]).events == 2
+
+
+def test_columns_and_event_objects_apply_the_same(tmp_path):
+    """A batch as columns (EventBatch, what consumer processes send) and the same batch as
+    event objects give the same states, duplicates, positions, latest events and notes."""
+    cfg = small_config()
+    cfg.state.dedupe_window = 8
+    rng = np.random.default_rng(3)
+    events = [
+        ValidEvent(f"u{u}", f"i{i}", 1000 + k, int(a), 1.0, None, int(u) % 3, k)
+        for k, (u, i, a) in enumerate(
+            zip(rng.integers(12, size=400), rng.integers(30, size=400), rng.integers(3, size=400))
+        )
+    ]
+    # every tenth event sent twice: the copies are dropped by the duplicate policy
+    events = [x for k, e in enumerate(events) for x in ([e, e] if k % 10 == 0 else [e])]
+    m = cfg.memory
+    a, b = (
+        make_engine(
+            tmp_path / n,
+            cfg=cfg,
+            bank=NoteBank(cfg.archive, m.key_dim, m.n_layers * m.n_heads, use_gpu=False),
+        )  # fmt: skip
+        for n in "ab"
+    )
+    for s in range(0, len(events), 110):
+        part = events[s : s + 110]
+        ca, cb = a.apply(part), b.apply(EventBatch.of(part))
+        assert ca == cb
+    assert a.seen.dropped == b.seen.dropped == 40
+    users = sorted({e.user_id for e in events})
+    sa, sb = a.snapshot(users), b.snapshot(users)
+    assert torch.equal(sa.pos, sb.pos) and torch.equal(sa.S, sb.S) and torch.equal(sa.h, sb.h)
+    assert [a.partition_of[u] for u in users] == [b.partition_of[u] for u in users]
+    assert all(a.bank.note_count(u) == b.bank.note_count(u) for u in users)
+    arrays_a, arrays_b = a.export_arrays(users), b.export_arrays(users)
+    assert arrays_a.keys() == arrays_b.keys()
+    for k in arrays_a:
+        assert np.array_equal(arrays_a[k], arrays_b[k]), k
+
+
+def test_event_batches_round_trip():
+    events = [
+        ValidEvent("u1", "i1", 5, 0, 1.0, None, 0, 7),
+        ValidEvent("u2", "i2", 6, 2, 0.5, "s", 1, 8, event_id="e"),
+        ValidEvent("u1", "i3", 7, 1, 2.0, None, 0, 9),
+    ]
+    batch = pickle.loads(pickle.dumps(EventBatch.of(events)))
+    assert len(batch) == 3 and batch.events() == events
+    assert batch.key.tolist() == [event_key(e) for e in events]
+    assert batch.take(np.array([2, 0])).events() == [events[2], events[0]]
+    assert batch.take(np.array([1])).events() == [events[1]]
+    assert batch.take(np.zeros(0, np.int64)).events() == []
+    assert EventBatch.of([]).events() == [] and len(EventBatch.of([])) == 0
 
 
 @pytest.mark.parametrize(
