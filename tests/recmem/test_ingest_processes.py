@@ -24,10 +24,12 @@ import torch
 from recmem.config import Config, ConfigError, validate
 from recmem.engine.builder import build_engine
 from recmem.ingest import KafkaIngest, register_gauges
+from streams.batch import EventBatch
 from streams.clients import make_consumer
+from streams.config import KafkaConfig
 from streams.processes import ConsumerProcesses
 from streams.sink import RESTORING
-from streams.validate import REASONS
+from streams.validate import REASONS, ValidEvent
 from tests.recmem.test_ingest import (
     REPO,
     ConsumerThread,
@@ -249,3 +251,22 @@ def test_consumer_processes_leave_when_the_engine_process_is_killed(tmp_path, ka
     # orphaned, each notices its parent is gone and closes (no checkpoint is written)
     wait_until(lambda: not any(running(k) for k in kids), 30, "the consumer processes to exit")
     assert "the engine process is gone" in log_path.read_text()
+
+
+def test_columns_of_a_partition_not_owned_here_are_not_applied(tmp_path):
+    """A batch of columns with events of a partition dropped here meanwhile (a fenced
+    write): only the owned partitions' events and offsets are taken."""
+    cfg = service_config(tmp_path, KafkaConfig(partitions=2))
+    built = build_engine(cfg, device="cpu")
+    ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
+    try:
+        ingest.assigned = {0}
+        events = [ValidEvent(f"u{k % 4}", "i1", 1000 + k, 0, 1.0, None, k % 2, k) for k in range(8)]
+        ingest.apply_batch(EventBatch.of(events), {0: 7, 1: 8})
+        ingest.drain()
+        assert built.engine.totals.events == 4
+        assert sorted(built.engine.partition_of) == ["u0", "u2"]
+        assert ingest.next_offsets == {0: 7}
+    finally:
+        ingest.close()
+        built.close()
