@@ -46,6 +46,17 @@ Seek = int | str
 """Where a partition resumes: an offset, "earliest" or "latest"."""
 
 
+def stop_on_signals(stop: Callable[[], None], what: str) -> None:
+    """SIGTERM and SIGINT log ``what`` and call ``stop`` (main thread only)."""
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %s: %s", signum, what)
+        stop()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
 class BaseConsumer(ABC):
     """Consumes ``cfg.topic`` in group ``cfg.group_id`` and feeds ``sink``.
 
@@ -111,13 +122,7 @@ class BaseConsumer(ABC):
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT call :meth:`stop` (main thread only)."""
-
-        def handle(signum: int, frame: FrameType | None) -> None:
-            log.info("signal %s: finishing the current batch, then stopping", signum)
-            self.stop()
-
-        signal.signal(signal.SIGTERM, handle)
-        signal.signal(signal.SIGINT, handle)
+        stop_on_signals(self.stop, "finishing the current batch, then stopping")
 
     # --------------------------------------------------------------------- run
     def run(self) -> None:

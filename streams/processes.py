@@ -51,13 +51,13 @@ import time
 import traceback
 from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection, wait
-from types import FrameType
 from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
 from streams.batch import EventBatch
 from streams.config import KafkaConfig
+from streams.consumer_base import stop_on_signals
 from streams.group import Member
 from streams.metrics import IngestMetrics
 from streams.sink import BatchSink, Restoring, Resume, SourceMarks
@@ -305,13 +305,7 @@ class ConsumerProcesses:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT call :meth:`stop` (main thread only)."""
-
-        def handle(signum: int, frame: FrameType | None) -> None:
-            log.info("signal %s: stopping the consumer processes", signum)
-            self.stop()
-
-        signal.signal(signal.SIGTERM, handle)
-        signal.signal(signal.SIGINT, handle)
+        stop_on_signals(self.stop, "stopping the consumer processes")
 
     # --------------------------------------------------------------------- run
     def run(self) -> None:

@@ -15,7 +15,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from recmem.config import Config, ConfigError, validate
 from recmem.engine.builder import build_engine
-from recmem.ingest import KafkaIngest
+from recmem.ingest import KafkaIngest, register_gauges
 from streams.admin import client_settings, ensure_topics
 from streams.clients import make_consumer
 from streams.confluent import ConfluentEventConsumer, generation_of
@@ -34,10 +34,12 @@ from tests.recmem.test_ingest import (
 
 
 def start_service(cfg: Config):
-    """``recmem ingest`` in this process with the consumer ``kafka.client`` names."""
+    """``recmem ingest`` in this process with the consumer ``kafka.client`` and
+    ``kafka.consumer_processes`` name."""
     built = build_engine(cfg, device="cpu")
     ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
     consumer = make_consumer(cfg.kafka, ingest)
+    register_gauges(consumer.metrics, built.engine)
     thread = ConsumerThread(consumer)  # type: ignore[arg-type]
     thread.start()
     return built, ingest, consumer, thread

@@ -23,16 +23,14 @@ import torch
 
 from recmem.config import Config, ConfigError, validate
 from recmem.engine.builder import build_engine
-from recmem.ingest import KafkaIngest, register_gauges
+from recmem.ingest import KafkaIngest
 from streams.batch import EventBatch
-from streams.clients import make_consumer
 from streams.config import KafkaConfig
 from streams.processes import ConsumerProcesses
 from streams.sink import RESTORING
 from streams.validate import REASONS, ValidEvent
 from tests.recmem.test_ingest import (
     REPO,
-    ConsumerThread,
     alive,
     assert_checkpoints_equal_clean_pass,
     caught_up,
@@ -43,18 +41,8 @@ from tests.recmem.test_ingest import (
     stop_service,
     wait_until,
 )
-from tests.recmem.test_ingest_confluent import committed, dead_letters, for_client
+from tests.recmem.test_ingest_confluent import committed, dead_letters, for_client, start_service
 from tests.streams.sinks import RecordingSink
-
-
-def start_service(cfg: Config):
-    built = build_engine(cfg, device="cpu")
-    ingest = KafkaIngest(built.loop, built.checkpoints(), cfg)
-    consumer = make_consumer(cfg.kafka, ingest)
-    register_gauges(consumer.metrics, built.engine)
-    thread = ConsumerThread(consumer)  # type: ignore[arg-type]
-    thread.start()
-    return built, ingest, consumer, thread
 
 
 def figure(consumer, name: str, labels: dict[str, str] | None = None) -> float:
