@@ -165,7 +165,8 @@ class NoteBank:
         turns them into notes with ``_write``). Checks first: on ValueError nothing changed."""
         ua = self._users.get(user_id)
         last = ua.last_position if ua is not None else -1
-        if np.any(np.diff(np.concatenate([[last], new.positions])) <= 0):
+        pos = new.positions
+        if len(pos) and (pos[0] <= last or (len(pos) > 1 and bool((pos[1:] <= pos[:-1]).any()))):
             raise ValueError(
                 f"user {user_id!r}: positions must increase (last seen {last}, "
                 f"got {new.positions[:4].tolist()}...)"

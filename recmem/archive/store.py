@@ -99,6 +99,11 @@ class PendingEvents:
         return len(self.items)
 
     def append(self, other: PendingEvents) -> None:
+        if not len(self):  # copies: nothing keeps the caller's (batch) arrays alive
+            self.items, self.item_ids = other.items.copy(), list(other.item_ids)
+            self.actions, self.ts_ms = other.actions.copy(), other.ts_ms.copy()
+            self.positions, self.k, self.u = other.positions.copy(), other.k.copy(), other.u.copy()
+            return
         self.items = np.concatenate([self.items, other.items])
         self.item_ids = self.item_ids + other.item_ids
         self.actions = np.concatenate([self.actions, other.actions])

@@ -55,17 +55,24 @@ class RecentEvents:
             b_idx = torch.as_tensor(rows, device=q_tilde.device)[:, None]
             picked = q_tilde[b_idx, take]
         tail_q = picked.detach().to("cpu", torch.float32).numpy()
+        tails, queries = self._tails, self._queries
         for j, b in enumerate(rows):
             user, n = user_ids[b], int(lengths[b])
-            new = UserEvents(items[b, :n], actions[b, :n], ts_ms[b, :n])
-            new_q = tail_q[j, max(0, k - n) :]
-            both = UserEvents.concat([self._tails.get(user, UserEvents.empty()), new])
-            old_q = self._queries.get(user)
-            q = new_q if old_q is None else np.concatenate([old_q, new_q])
-            self._tails[user] = UserEvents(
-                both.items[-k:].copy(), both.actions[-k:].copy(), both.ts_ms[-k:].copy()
-            )
-            self._queries[user] = q[-k:].copy()
+            lo = max(0, n - k)  # only the last k new events can stay
+            it, ac, ts = items[b, lo:n], actions[b, lo:n], ts_ms[b, lo:n]
+            q = tail_q[j, max(0, k - n) :]
+            if n < k:  # older events fill the rest (most users: one or two new events)
+                old, old_q = tails.get(user), queries.get(user)
+                if old is not None:
+                    it = np.concatenate([old.items, it])[-k:]
+                    ac = np.concatenate([old.actions, ac])[-k:]
+                    ts = np.concatenate([old.ts_ms, ts])[-k:]
+                if old_q is not None:
+                    q = np.concatenate([old_q, q])[-k:]
+            tails[user] = UserEvents(
+                it.astype(np.int64), ac.astype(np.int64), ts.astype(np.int64)
+            )  # copies: nothing keeps the batch's arrays alive
+            queries[user] = q.copy()
 
     def recent(self, user_id: str, n: int) -> UserEvents:
         tail = self._tails.get(user_id)

@@ -373,3 +373,40 @@ def test_unlock_schedules_stream_through_the_engine(tmp_path, unlock, order):
     a, b = dst.snapshot(part), engine.snapshot(part)
     for k, v in b.to_fields().items():
         assert torch.equal(a.to_fields()[k], v), k
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_latest_events_are_the_last_keep_of_each_users_history(packed):
+    """RecentEvents against a plain reference: after batches of 1 to 7 events per user
+    (fewer, as many and more than ``keep``), each user's tail and its q~ are the last
+    ``keep`` of everything observed, in order."""
+    from recmem.engine import RecentEvents
+
+    keep, rng = 4, np.random.default_rng(5)
+    tails = RecentEvents(keep)
+    history: dict[str, list[tuple[int, int, int, float]]] = {}
+    step = 0
+    for _ in range(6):
+        users = [f"u{j}" for j in range(5)]
+        lengths = rng.integers(0, 8, size=len(users))
+        T = int(lengths.max())
+        items = np.zeros((len(users), T), np.int64)
+        actions, ts = items.copy(), items.copy()
+        q = torch.zeros(len(users), T, 1, 1, 2)
+        for b, u in enumerate(users):
+            for t in range(int(lengths[b])):
+                step += 1
+                items[b, t], actions[b, t], ts[b, t] = step, step % 3, 1000 + step
+                q[b, t] = float(step)
+                history.setdefault(u, []).append((step, step % 3, 1000 + step, float(step)))
+        q_in = q[torch.arange(T)[None, :] < torch.as_tensor(lengths)[:, None]] if packed else q
+        tails.observe(users, items, actions, ts, lengths, q_in, packed=packed)
+        for u, events in history.items():
+            want = events[-keep:]
+            got = tails.recent(u, keep)
+            assert got.items.tolist() == [e[0] for e in want]
+            assert got.actions.tolist() == [e[1] for e in want]
+            assert got.ts_ms.tolist() == [e[2] for e in want]
+            queries = tails.recent_queries(u, keep)
+            assert queries is not None
+            assert queries[:, 0, 0, 0].tolist() == [e[3] for e in want]
