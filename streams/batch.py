@@ -96,15 +96,12 @@ class EventBatch:
     def take(self, rows: np.ndarray) -> EventBatch:
         """The events at ``rows`` (indices, in that order)."""
         idx = rows.tolist()
-        pick = operator.itemgetter(*idx) if len(idx) > 1 else None
 
-        def lst(xs: list) -> list:  # type: ignore[type-arg]
-            if not idx:
-                return []
-            return list(pick(xs)) if pick is not None else [xs[idx[0]]]  # type: ignore[misc]
+        def pick(xs: list) -> list:  # type: ignore[type-arg]
+            return [xs[i] for i in idx]
 
         return EventBatch(
-            lst(self.user_id), lst(self.item_id), self.ts_ms[rows], self.action[rows],
-            self.value[rows], lst(self.session_id), self.partition[rows], self.offset[rows],
-            lst(self.event_id), self.key[rows],
+            pick(self.user_id), pick(self.item_id), self.ts_ms[rows], self.action[rows],
+            self.value[rows], pick(self.session_id), self.partition[rows], self.offset[rows],
+            pick(self.event_id), self.key[rows],
         )  # fmt: skip

@@ -19,10 +19,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streams.batch import event_key
-
-__all__ = ["PREFIX", "SeenEvents", "event_key"]
-
 PREFIX = "seen."
 
 
