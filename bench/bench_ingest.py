@@ -318,17 +318,19 @@ def produce_share(
     sets: list[str],
     kafka: KafkaConfig,
     n: int,
-    part_of_user: np.ndarray,
     share: list[int],
     results: mp.Queue,
 ) -> None:
     """One producer process: the events of the partitions ``share`` (spawned: it opens the
-    stream again from the same settings, deterministic for every kind of --dataset)."""
+    stream again from the same settings, deterministic for every kind of --dataset, and
+    maps its users to partitions itself: a large argument would make each ``start()`` wait
+    until the child had imported this module and read it)."""
     from recmem.config import load_config
 
     ready = time.time()
     t0 = time.perf_counter()
     stream = open_stream(dataset, load_config(None, sets, environ={}))
+    part_of_user = user_partitions(stream, kafka.partitions)
     with EventProducer(kafka) as producer:
         t1 = time.perf_counter()
         sent = producer.send(share_events(stream, n, part_of_user, share), progress=False)
@@ -337,7 +339,7 @@ def produce_share(
             "partitions": share,
             "events": sent,
             "ready_at": ready,
-            "open_stream_s": round(t1 - t0, 2),
+            "prepare_s": round(t1 - t0, 2),  # stream opened, users mapped, producer connected
             "send_s": round(time.perf_counter() - t1, 2),
         }
     )
@@ -364,7 +366,7 @@ def produce(
         workers = [
             ctx.Process(
                 target=produce_share,
-                args=(dataset, sets, kafka, n, part_of_user, share, results),
+                args=(dataset, sets, kafka, n, share, results),
                 name=f"produce-{i}",
             )
             for i, share in enumerate(shares)
