@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources
 from recmem.archive.persist import pack_users, unpack_users
@@ -35,6 +36,16 @@ def _numpy(x: Any, dtype: Any) -> np.ndarray:
             x = x.float()  # numpy has no bfloat16
         x = x.numpy()
     return np.asarray(x, dtype=dtype)
+
+
+def _valid_cells(x: Any, valid: np.ndarray) -> Any:
+    """The rows of ``x`` [B, T, ...] where ``valid`` [B, T] holds, user by user, picked where
+    ``x`` lives: only the valid cells of a tensor leave its device (in a padded batch one
+    long user can make the padding most of it)."""
+    B, T = valid.shape
+    if hasattr(x, "detach"):
+        return x.reshape(B, T, -1)[torch.as_tensor(valid, device=x.device)]
+    return np.asarray(x).reshape(B, T, -1)[valid]
 
 
 def check_archive_config(cfg: ArchiveConfig) -> None:
@@ -245,15 +256,15 @@ class NoteBank:
             raise ValueError("user_ids, item_ids and lengths differ in batch size")
         if len(lens) == 0 or int(lens.max()) == 0:
             return 0
-        B, T = len(lens), int(arrays[0].shape[1])
+        T = int(arrays[0].shape[1])
         N = int(lens.sum())
         valid = np.arange(T)[None, :] < lens[:, None]
         # the unit keys and addresses of the batch's events at once (packed: one row per
         # event, user by user), then one slice per user
+        if not packed:
+            k, q = _valid_cells(k, valid), _valid_cells(q, valid)
         k_a = _numpy(k, np.float32)
         q_a = _numpy(q, np.float32)
-        if not packed:
-            k_a, q_a = k_a.reshape(B, T, -1)[valid], q_a.reshape(B, T, -1)[valid]
         k_a = k_a.reshape(N, -1, self.key_dim)
         q_a = q_a.reshape(N, -1, self.query_dim)
         if k_a.shape[1] != self.n_channels or q_a.shape[1] != self.n_channels:

@@ -360,17 +360,9 @@ class Engine:
         T = piece.items.shape[1]
         event_pos = piece.positions[:, None] + np.arange(1, T + 1)[None, :]
         item_ids = self._item_ids(piece.items, piece.lengths)
-        k, q = res.kq
-        packed = piece.packed
-        if not packed and torch.is_tensor(k):
-            # only the valid cells leave the device: in a [B, T] piece the padding can be
-            # most of it (one long user pads every other), and the archive reads events only
-            lengths = torch.as_tensor(piece.lengths, device=k.device)
-            valid = torch.arange(T, device=k.device)[None, :] < lengths[:, None]
-            k, q, packed = k[valid], q[valid], True
         self.bank.observe_batch(
             piece.users, piece.items, item_ids, piece.actions, piece.ts_ms, event_pos,
-            piece.lengths, k, q, packed=packed,
+            piece.lengths, res.kq[0], res.kq[1], packed=piece.packed,
         )  # fmt: skip
         piece.result = None  # the kq tensors are large; nothing needs them any more
         self.seconds["archive"] += time.perf_counter() - t0
