@@ -197,6 +197,7 @@ class Instance:
     port: int
     config_path: Path
     log_path: Path
+    metrics_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -209,13 +210,15 @@ class Instance:
 
 @dataclass
 class Cluster:
-    """``n`` serve processes over ``cfg`` (each with its own port, spill dir and log)."""
+    """``n`` serve processes over ``cfg`` (each with its own port, spill dir and log;
+    ``metrics``: each its own ``server.metrics_port`` too, ``Instance.metrics_port``)."""
 
     cfg: Config
     workdir: Path
     n: int
     env: dict[str, str] = field(default_factory=dict)
     instances: list[Instance] = field(default_factory=list)
+    metrics: bool = False
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -225,14 +228,19 @@ class Cluster:
             c.server.port = port
             c.server.advertised_address = f"127.0.0.1:{port}"
             c.state.spill_dir = str(self.workdir / f"spill-{i}")
+            c.server.metrics_port = free_port() if self.metrics else 0
             path = self.workdir / f"serve-{i}.toml"
             path.write_text(c.to_toml())
-            self.instances.append(Instance(i, port, path, self.workdir / f"serve-{i}.log"))
+            self.instances.append(
+                Instance(i, port, path, self.workdir / f"serve-{i}.log", c.server.metrics_port)
+            )
         self._channels: dict[int, grpc.Channel] = {}
 
     def start(self, i: int) -> Instance:
         inst = self.instances[i]
-        env = dict(os.environ, PYTHONPATH=str(REPO), **self.env)
+        # the repository first, then whatever the caller's path holds (carried wheels)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, **self.env}
         cmd = [sys.executable, "-m", "recmem.cli", "serve", "--config", str(inst.config_path)]
         with open(inst.log_path, "ab") as log:
             inst.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)

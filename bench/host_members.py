@@ -1,0 +1,358 @@
+"""One host, several `recmem serve` members sharing its GPU: ingest and rank throughput of
+the whole host against one member, in one run (issue 14's host-level goals).
+
+    .venv/bin/python bench/host_members.py [--members 1,4] [--dataset workload]
+        [--events 1000000] [--partitions 16] [--produce-procs 8] [--interval 10]
+        [--concurrency 64] [--replay 0,2] [--rank-seconds 5] [--client-procs 4]
+        [--set section.field=value ...] [--json PATH]
+
+A member is an ordinary ``recmem serve`` process (tests/cluster.py starts them, each with
+its own gRPC and metrics port); members of one consumer group split the topic's
+partitions, so N members on one host run N engines, N consumers and N gRPC servers on
+the one GPU (docs/scaling.md). The run:
+
+1. an embedded tansu broker, a topic of ``--partitions`` partitions, and the first
+   ``--events`` events of the dataset (default: the benchmark workload, 1M users with Zipf
+   activity) sent from ``--produce-procs`` processes (bench_ingest.produce: each
+   partition's highwater checked); a freshly initialised model of the default shape over
+   the dataset's items, saved where every member loads it;
+2. for each N of ``--members``, on the same records with a fresh group and checkpoint
+   root: N members start; ingest is timed from their start (process start, model load,
+   group join included) and from the first event any member applied, to the last event
+   applied (the members' ``recmem_ingest_events_total``, polled every 0.2 s) and to the
+   checkpoints of every partition at its end offset (``checkpoint.interval_s`` =
+   ``--interval``). Each member's slab holds its share of the users with room to spare
+   (``state.device_capacity``), so no user leaves the GPU;
+3. then rank on the same members: closed-loop callers (``--concurrency`` in all, spread
+   over ``--client-procs`` processes, each a ``RankClient`` that calls each user's owner
+   directly) rank 100 random candidates (k = 10) for users drawn from those ingested,
+   for ``--rank-seconds`` per replay setting of ``--replay`` (notes R; 0: off). Figures:
+   requests/s, p50 / p99 / mean latency, errors, mean notes replayed (each caller's first
+   64 answers).
+
+Writes bench/results/host_members_<device>.json (or --json; also after each N, with
+``complete`` false until the end): machine, date, commit, command, production, per N the
+ingest figures and the rank cells, and the ratios of the largest N to the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+from benchinfo import git_commit, latency_percentiles, machine, write_result  # noqa: E402
+
+log = logging.getLogger("host_members")
+CANDIDATES = 100
+K = 10
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def applied(ports: list[int]) -> int | None:
+    """Events the members' consumers handed to their engines (summed; None while one does
+    not answer)."""
+    total = 0.0
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("recmem_ingest_events_total "):
+                total += float(line.split()[1])
+    return int(total)
+
+
+def ingest_pass(cluster: Any, cfg: Any, n_events: int, ends: dict[int, int]) -> dict[str, Any]:
+    """Start the members and time them to every event applied and checkpointed."""
+    from tests.cluster import caught_up
+
+    ports = [inst.metrics_port for inst in cluster.instances]
+    t0 = time.monotonic()
+    cluster.start_all()
+    first = last = settled = None
+    trace: list[tuple[float, int]] = []
+    while True:
+        for i in cluster.live():
+            cluster.alive(i)  # raises with the log tail of a member that died
+        now = time.monotonic() - t0
+        got = applied(ports)
+        if got is not None:
+            if got and first is None:
+                first = now
+            if not trace or trace[-1][1] != got:
+                trace.append((round(now, 2), got))
+            if got >= n_events and last is None:
+                last = now
+        if settled is None and cluster.settled(cluster.n):
+            settled = now
+        if last is not None and caught_up(cfg, ends):
+            done = time.monotonic() - t0
+            break
+        if now > 900:
+            raise RuntimeError(f"not caught up after 900 s: {got} of {n_events} applied")
+        time.sleep(0.2)
+    assert first is not None and last is not None
+    span = max(last - first, 1e-9)
+    return {
+        "members": cluster.n,
+        "seconds_to_first_applied": round(first, 2),
+        "seconds_to_settled": None if settled is None else round(settled, 2),
+        "seconds_to_last_applied": round(last, 2),
+        "seconds_to_checkpointed": round(done, 2),
+        "events_per_s_first_to_last_applied": round(n_events / span),
+        "events_per_s_start_to_checkpointed": round(n_events / done),
+        "applied_trace": trace[:: max(1, len(trace) // 60)],
+    }
+
+
+def _client(
+    addresses: list[str], threads: int, users: list[str], items: list[str], replay: int,
+    start_at: float, seconds: float, seed: int, out: Any,
+) -> None:  # fmt: skip
+    """One client process: ``threads`` closed-loop callers through one RankClient."""
+    from recmem.client import RankClient
+
+    lat: list[list[float]] = [[] for _ in range(threads)]
+    notes: list[int] = []
+    errors: list[str] = []
+    with RankClient(addresses) as client:
+
+        def call(rng: np.random.Generator) -> Any:
+            return client.rank(
+                users[int(rng.integers(len(users)))], K,
+                candidates=[items[j] for j in rng.choice(len(items), CANDIDATES, replace=False)],
+                replay=replay > 0, notes=replay, timeout=30,
+            )  # fmt: skip
+
+        warm = np.random.default_rng(seed)
+        for _ in range(20):
+            call(warm)
+
+        def worker(t: int) -> None:
+            rng = np.random.default_rng(seed * 1000 + t)
+            time.sleep(max(0.0, start_at - time.time()))
+            stop = start_at + seconds
+            while time.time() < stop:
+                s = time.perf_counter()
+                try:
+                    res = call(rng)
+                except Exception as e:  # noqa: BLE001 - counted, the load goes on
+                    errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+                    continue
+                lat[t].append(time.perf_counter() - s)
+                if len(lat[t]) <= 64:
+                    notes.append(res.notes_replayed)
+
+        ts = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    out.put(([x for xs in lat for x in xs], errors[:5], len(errors), notes))
+
+
+def rank_cell(
+    addresses: list[str], users: list[str], items: list[str], replay: int, args: Any
+) -> dict[str, Any]:
+    procs = max(1, min(args.client_procs, args.concurrency))
+    per = [len(range(p, args.concurrency, procs)) for p in range(procs)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    start_at = time.time() + 8.0  # the client processes import and warm up first
+    ps = [
+        ctx.Process(target=_client, daemon=True, args=(
+            addresses, per[p], users, items, replay, start_at, args.rank_seconds, p + 1, out))
+        for p in range(procs)
+    ]  # fmt: skip
+    for p in ps:
+        p.start()
+    results = [out.get(timeout=args.rank_seconds + 180) for _ in ps]
+    for p in ps:
+        p.join(30)
+    lat = [x for r in results for x in r[0]]
+    n_err = sum(r[2] for r in results)
+    notes = [x for r in results for x in r[3]]
+    cell = {
+        "replay_notes": replay,
+        "concurrency": args.concurrency,
+        "client_processes": procs,
+        "requests": len(lat),
+        "errors": n_err,
+        "error_examples": [e for r in results for e in r[1]][:5],
+        "throughput_rps": round(len(lat) / args.rank_seconds, 1),
+        "mean_notes_replayed": round(float(np.mean(notes)), 2) if notes else 0.0,
+        **latency_percentiles(lat),
+    }
+    return cell
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--members", default="1,4", help="comma-separated member counts")
+    ap.add_argument("--dataset", default="workload")
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--partitions", type=int, default=16)
+    ap.add_argument("--produce-procs", type=int, default=8)
+    ap.add_argument("--interval", type=float, default=10.0, help="checkpoint.interval_s")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--replay", default="0,2", help="comma-separated notes R (0: off)")
+    ap.add_argument("--rank-seconds", type=float, default=5.0)
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--set", action="append", default=[], help="section.field=value")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    import torch
+    from bench_ingest import distinct_users, produce
+
+    from models.recommender import MemoryRecommender
+    from recmem.config import Config, load_config
+    from recmem.modelstore import save_model
+    from recmem.producing import open_stream
+    from recmem.vocab import ItemVocab
+    from streams.admin import end_offsets, ensure_topics
+    from streams.broker import EmbeddedBroker
+    from tests.cluster import Cluster
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    members = [int(x) for x in args.members.split(",")]
+    replays = [int(x) for x in args.replay.split(",")]
+    cfg = load_config(None, args.set, environ={})
+    stream = open_stream(args.dataset, cfg)
+    n = min(args.events, stream.n_events) if args.events else stream.n_events
+    n_users = distinct_users(stream, n)
+    path = Path(args.json) if args.json else (
+        Path(os.environ.get("OUT", ROOT / "bench" / "results")) / f"host_members_{dev}.json"
+    )  # fmt: skip
+    result: dict[str, Any] = {
+        "benchmark": "host_members",
+        "machine": machine() + (f", {torch.cuda.get_device_name(0)}" if dev == "cuda" else ""),
+        "commit": git_commit(),
+        "command": " ".join(["python", "bench/host_members.py", *sys.argv[1:]]),
+        "dataset": args.dataset,
+        "events": n,
+        "users": n_users,
+        "partitions": args.partitions,
+        "checkpoint_interval_s": args.interval,
+        "overrides": args.set,
+        "rank_request": f"{CANDIDATES} random candidates, k = {K}, users drawn uniformly "
+        "from those ingested, RankClient (owner called directly)",
+        "runs": {},
+    }
+
+    def save(complete: bool) -> None:
+        result["date"] = datetime.now(UTC).isoformat(timespec="seconds")
+        result["load_average_1_5_15m_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        result["complete"] = complete
+        write_result(path, result)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-host-"))
+    say(f"{n} events of {args.dataset} ({n_users} users), {args.partitions} partitions, {dev}")
+    try:
+        with EmbeddedBroker(log_path=work / "broker.log", bin_dir=cfg.kafka.broker_bin_dir) as b:
+            k = cfg.kafka
+            k.bootstrap_servers = b.bootstrap
+            k.topic, k.dead_letter_topic = "bench", "bench.dlq"
+            k.partitions = args.partitions
+            k.session_timeout_ms, k.heartbeat_interval_ms = 3000, 500
+            k.max_past_ms = k.max_future_ms = 0
+            k.metrics_port = 0
+            ensure_topics(k, {k.topic: k.partitions, k.dead_letter_topic: 1})
+            result["produce"] = produce(args.dataset, args.set, stream, n, k, args.produce_procs)
+            say(f"produced: {result['produce']['events_per_s']} events/s")
+            ends = end_offsets(k, k.topic, timeout_s=60)
+            cfg.server.model_dir = str(work / "model")
+            cfg.server.shutdown_grace_s = 1.0
+            torch.manual_seed(cfg.train.seed)
+            vocab = ItemVocab(stream.item_ids.tolist(), cfg.model.n_oov_buckets)
+            model = MemoryRecommender(vocab.n_items, vocab.n_oov, cfg.memory, cfg.model)
+            save_model(cfg.server.model_dir, model, vocab, cfg)
+            rng = np.random.default_rng(0)
+            seen = seen_users(stream, n)
+            users = stream.user_ids[rng.choice(seen, min(20000, len(seen)), replace=False)]
+            users_l = [str(u) for u in users.tolist()]
+            items_l = [str(i) for i in stream.item_ids.tolist()]
+            for m in members:
+                c = Config.from_dict(cfg.to_dict())
+                c.kafka.group_id = f"bench-host-{m}"
+                c.checkpoint.dir = str(work / f"ckpt-{m}")
+                c.checkpoint.interval_s = args.interval
+                # each member's slab holds its share of the users, with room for skew
+                share = math.ceil(n_users / m * 1.25) + 1024
+                c.state.device_capacity = max(c.state.device_capacity, share)
+                cluster = Cluster(c, work / f"cluster-{m}", m, metrics=True)
+                run: dict[str, Any] = {}
+                result["runs"][str(m)] = run
+                try:
+                    run["ingest"] = ingest_pass(cluster, c, n, ends)
+                    say(f"{m} member(s): {run['ingest']}")
+                    save(complete=False)
+                    addrs = [inst.address for inst in cluster.instances]
+                    run["rank"] = []
+                    for r in replays:
+                        cell = rank_cell(addrs, users_l, items_l, r, args)
+                        run["rank"].append(cell)
+                        say(f"{m} member(s), R={r}: {cell['throughput_rps']} req/s, "
+                            f"p99 {cell['p99_ms']:.1f} ms, errors {cell['errors']}")  # fmt: skip
+                        save(complete=False)
+                except Exception as e:  # noqa: BLE001 - keep the runs measured so far
+                    log.exception("members=%d failed", m)
+                    run["error"] = f"{type(e).__name__}: {e}"
+                finally:
+                    cluster.close()
+                    shutil.rmtree(c.checkpoint.dir, ignore_errors=True)
+                    shutil.rmtree(work / f"cluster-{m}", ignore_errors=True)
+            first, last = str(members[0]), str(members[-1])
+            runs = result["runs"]
+            if "ingest" in runs.get(first, {}) and "ingest" in runs.get(last, {}):
+                key = "events_per_s_first_to_last_applied"
+                result["ingest_ratio_last_to_first"] = round(
+                    runs[last]["ingest"][key] / runs[first]["ingest"][key], 2
+                )
+            if runs.get(first, {}).get("rank") and runs.get(last, {}).get("rank"):
+                result["rank_ratio_last_to_first"] = {
+                    str(a["replay_notes"]): round(b["throughput_rps"] / a["throughput_rps"], 2)
+                    for a, b in zip(runs[first]["rank"], runs[last]["rank"])
+                    if a["throughput_rps"]
+                }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    save(complete=True)
+
+
+def seen_users(stream: Any, n: int) -> np.ndarray:
+    """The user codes of the stream's first ``n`` events, each once."""
+    codes, taken = [], 0
+    for c in stream.chunks(1 << 16):
+        codes.append(c.user[: n - taken])
+        taken += len(codes[-1])
+        if taken >= n:
+            break
+    return np.unique(np.concatenate(codes))
+
+
+if __name__ == "__main__":
+    main()
