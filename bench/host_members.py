@@ -21,14 +21,18 @@ the one GPU (docs/scaling.md). The run:
    group join included) and from the first event any member applied, to the last event
    applied (the members' ``recmem_ingest_events_total``, polled every 0.2 s) and to the
    checkpoints of every partition at its end offset (``checkpoint.interval_s`` =
-   ``--interval``). Each member's slab holds its share of the users with room to spare
+   ``--interval``), and between 10 % and 90 % of the events applied (the rate with every
+   member at work: the first figure includes the group's join rounds, the last the tail
+   of the largest partition). Each member's slab holds its share of the users with room to spare
    (``state.device_capacity``), so no user leaves the GPU;
 3. then rank on the same members: closed-loop callers (``--concurrency`` in all, spread
    over ``--client-procs`` processes, each a ``RankClient`` that calls each user's owner
    directly) rank 100 random candidates (k = 10) for users drawn from those ingested,
-   for ``--rank-seconds`` per replay setting of ``--replay`` (notes R; 0: off). Figures:
-   requests/s, p50 / p99 / mean latency, errors, mean notes replayed (each caller's first
-   64 answers).
+   for ``--rank-seconds`` per replay setting of ``--replay`` (notes R; 0: off), after a
+   3 s warm-up cell. Users are drawn in proportion to their events (callers rank active
+   users more often; a uniform draw would mostly pick users too new to have notes).
+   Figures: requests/s, p50 / p99 / mean latency, errors, mean notes replayed (each
+   caller's first 64 answers), and the cores the members and the clients kept busy.
 
 Writes bench/results/host_members_<device>.json (or --json; also after each N, with
 ``complete`` false until the end): machine, date, commit, command, production, per N the
@@ -115,6 +119,7 @@ def ingest_pass(cluster: Any, cfg: Any, n_events: int, ends: dict[int, int]) -> 
         time.sleep(0.2)
     assert first is not None and last is not None
     span = max(last - first, 1e-9)
+    t10, t90 = (crossing(trace, q * n_events) for q in (0.1, 0.9))
     return {
         "members": cluster.n,
         "seconds_to_first_applied": round(first, 2),
@@ -123,8 +128,34 @@ def ingest_pass(cluster: Any, cfg: Any, n_events: int, ends: dict[int, int]) -> 
         "seconds_to_checkpointed": round(done, 2),
         "events_per_s_first_to_last_applied": round(n_events / span),
         "events_per_s_start_to_checkpointed": round(n_events / done),
+        "events_per_s_10_to_90_percent": round(0.8 * n_events / max(t90 - t10, 1e-9)),
         "applied_trace": trace[:: max(1, len(trace) // 60)],
     }
+
+
+def crossing(trace: list[tuple[float, int]], level: float) -> float:
+    """When the applied count first reached ``level`` (linear between polls)."""
+    prev_t, prev_n = 0.0, 0
+    for t, got in trace:
+        if got >= level:
+            if got == prev_n:
+                return t
+            return prev_t + (t - prev_t) * (level - prev_n) / (got - prev_n)
+        prev_t, prev_n = t, got
+    return trace[-1][0]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of the processes (all their threads) so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def _client(
@@ -166,16 +197,22 @@ def _client(
                     notes.append(res.notes_replayed)
 
         ts = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0 = time.process_time()
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-    out.put(([x for xs in lat for x in xs], errors[:5], len(errors), notes))
+        cpu = time.process_time() - cpu0
+    out.put(([x for xs in lat for x in xs], errors[:5], len(errors), notes, cpu))
 
 
 def rank_cell(
-    addresses: list[str], users: list[str], items: list[str], replay: int, args: Any
-) -> dict[str, Any]:
+    addresses: list[str], users: list[str], items: list[str], replay: int, args: Any,
+    member_pids: list[int], seconds: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One closed-loop cell; CPU seconds of the members and of the clients over it."""
+    seconds = args.rank_seconds if seconds is None else seconds
     procs = max(1, min(args.client_procs, args.concurrency))
     per = [len(range(p, args.concurrency, procs)) for p in range(procs)]
     ctx = mp.get_context("spawn")
@@ -183,12 +220,16 @@ def rank_cell(
     start_at = time.time() + 8.0  # the client processes import and warm up first
     ps = [
         ctx.Process(target=_client, daemon=True, args=(
-            addresses, per[p], users, items, replay, start_at, args.rank_seconds, p + 1, out))
+            addresses, per[p], users, items, replay, start_at, seconds, p + 1, out))
         for p in range(procs)
     ]  # fmt: skip
     for p in ps:
         p.start()
-    results = [out.get(timeout=args.rank_seconds + 180) for _ in ps]
+    time.sleep(max(0.0, start_at - time.time()))
+    members0 = cpu_seconds(member_pids)
+    time.sleep(seconds)
+    members_cpu = cpu_seconds(member_pids) - members0
+    results = [out.get(timeout=seconds + 180) for _ in ps]
     for p in ps:
         p.join(30)
     lat = [x for r in results for x in r[0]]
@@ -201,9 +242,14 @@ def rank_cell(
         "requests": len(lat),
         "errors": n_err,
         "error_examples": [e for r in results for e in r[1]][:5],
-        "throughput_rps": round(len(lat) / args.rank_seconds, 1),
+        "throughput_rps": round(len(lat) / seconds, 1),
         "mean_notes_replayed": round(float(np.mean(notes)), 2) if notes else 0.0,
         **latency_percentiles(lat),
+        "cores_busy": {
+            "members": round(members_cpu / seconds, 2),
+            "clients": round(sum(r[4] for r in results) / seconds, 2),
+            "host": os.cpu_count(),
+        },
     }
     return cell
 
@@ -258,8 +304,9 @@ def main() -> None:
         "partitions": args.partitions,
         "checkpoint_interval_s": args.interval,
         "overrides": args.set,
-        "rank_request": f"{CANDIDATES} random candidates, k = {K}, users drawn uniformly "
-        "from those ingested, RankClient (owner called directly)",
+        "rank_request": f"{CANDIDATES} random candidates, k = {K}, users drawn in proportion "
+        "to their ingested events (20,000 draws), RankClient (owner called directly); "
+        "a warm-up cell of 3 s per N first, not recorded",
         "runs": {},
     }
 
@@ -291,8 +338,8 @@ def main() -> None:
             model = MemoryRecommender(vocab.n_items, vocab.n_oov, cfg.memory, cfg.model)
             save_model(cfg.server.model_dir, model, vocab, cfg)
             rng = np.random.default_rng(0)
-            seen = seen_users(stream, n)
-            users = stream.user_ids[rng.choice(seen, min(20000, len(seen)), replace=False)]
+            counts = user_counts(stream, n)  # callers rank users in proportion to activity
+            users = stream.user_ids[rng.choice(len(counts), 20000, p=counts / counts.sum())]
             users_l = [str(u) for u in users.tolist()]
             items_l = [str(i) for i in stream.item_ids.tolist()]
             for m in members:
@@ -311,9 +358,11 @@ def main() -> None:
                     say(f"{m} member(s): {run['ingest']}")
                     save(complete=False)
                     addrs = [inst.address for inst in cluster.instances]
+                    pids = [inst.proc.pid for inst in cluster.instances if inst.proc]
+                    rank_cell(addrs, users_l, items_l, max(replays), args, pids, 3.0)
                     run["rank"] = []
                     for r in replays:
-                        cell = rank_cell(addrs, users_l, items_l, r, args)
+                        cell = rank_cell(addrs, users_l, items_l, r, args, pids)
                         run["rank"].append(cell)
                         say(f"{m} member(s), R={r}: {cell['throughput_rps']} req/s, "
                             f"p99 {cell['p99_ms']:.1f} ms, errors {cell['errors']}")  # fmt: skip
@@ -343,15 +392,15 @@ def main() -> None:
     save(complete=True)
 
 
-def seen_users(stream: Any, n: int) -> np.ndarray:
-    """The user codes of the stream's first ``n`` events, each once."""
+def user_counts(stream: Any, n: int) -> np.ndarray:
+    """Events per user code in the stream's first ``n`` events."""
     codes, taken = [], 0
     for c in stream.chunks(1 << 16):
         codes.append(c.user[: n - taken])
         taken += len(codes[-1])
         if taken >= n:
             break
-    return np.unique(np.concatenate(codes))
+    return np.bincount(np.concatenate(codes)).astype(np.float64)
 
 
 if __name__ == "__main__":

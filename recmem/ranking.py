@@ -369,7 +369,8 @@ class Ranker:
         return self._user_vectors(queries)
 
     def _user_vectors(self, queries: Sequence[RankQuery]) -> UserVectors:
-        self.model.eval()
+        if self.model.training:  # eval() walks every module, on every rank step
+            self.model.eval()
         clock = time.perf_counter()
         users = [q.user_id for q in queries]
         base = self._move(self.sources.snapshot(users))
