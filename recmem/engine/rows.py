@@ -1,13 +1,14 @@
 """Per-user state as rows of dense arrays: a dict user id -> row, a free list of the rows
-of dropped users, and arrays (first axis: rows) grown by doubling.
+of dropped users, and arrays (first axis: rows) grown geometrically, in place.
 
 The engine's per-user structures (``dedupe.SeenEvents``, ``tails.RecentEvents``) keep
 their users here so that a batch's work is numpy over the whole batch plus one dict
-lookup per user or event (``np.fromiter(map(...))``, no per-event Python). New arrays are
-zeros; growing doubles an array in place (``ndarray.resize``: realloc moves a large
-buffer without copying it and zeroes the new half), so no second copy of the table is ever
-held. The arrays are the owner's alone: it hands out copies, never views. Owned by one
-thread.
+lookup per user or event (``np.fromiter(map(...))``, no per-event Python). Growing resizes
+each array in place (``ndarray.resize``: realloc moves a large buffer without copying it,
+and zeroes the new rows), so no second copy of a table is ever held; as growing copies
+nothing, the factor can be small: 5/4, so that at most a fifth of the rows (zeroed, hence
+resident) wait unused. The arrays are the owner's alone (it hands out copies, never
+views). Owned by one thread.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class UserRows:
         fresh = np.arange(self._next, self._next + n - len(reused), dtype=np.int64)
         self._next += len(fresh)
         if self._next > self.capacity:
-            self._grow(max(self._next, 2 * self.capacity, 64))
+            self._grow(max(self._next, self.capacity + self.capacity // 4, 64))
         return np.concatenate([np.asarray(reused[::-1], np.int64), fresh])
 
     def _grow(self, capacity: int) -> None:

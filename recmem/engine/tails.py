@@ -4,6 +4,17 @@ They are a replay request's routing query and the "question" re-read after the n
 the request carries no context (recmem/ranking.py). They travel in the partition checkpoint
 next to the notes (arrays ``recent.*``), so a restarted service routes exactly as before.
 Owned by the engine (one thread): no lock.
+
+``RecentEvents`` holds a user's last ``keep`` events as one row of rings (rows.UserRows):
+items, actions, ts_ms [keep] int64 and q~ [keep, L, H, K] float32, so that a batch is
+written with numpy; ``RecentEventsReference`` is the plain per-user form it must agree
+with (tests/recmem/test_seen_tails_fast.py). Memory per user: keep * (24 + 4 * L*H*K)
+bytes plus 24 bytes of counts and ring position (4,312 bytes at keep 8 with the default
+model's L*H*K = 2*2*32: the same arrays as before, less four array objects), plus the
+user's dict entry; the table grows by 5/4, so up to a fifth of its rows may wait unused.
+A user restored with more than ``keep`` events (a checkpoint written under a larger
+``server.replay_query_events``) keeps them in the plain form until its next event, as
+before.
 """
 
 from __future__ import annotations
@@ -11,13 +22,251 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from recmem.engine.rows import UserRows, positions, ring_cells
 from recmem.ranking import UserEvents
 
 PREFIX = "recent."
+_EVENT_FIELDS = ("items", "actions", "ts_ms")
 
 
 class RecentEvents:
-    """The last ``keep`` events of every user with their q~ [n, L, H, K] (float32, host)."""
+    """The last ``keep`` events of every user with their q~ [n, L, H, K] (float32, host).
+
+    Row r of the rings: events at slots ``(end[r] - count[r] + t) % keep``, oldest first;
+    the last ``qcount[r] <= count[r]`` of them have their q~ (fewer only after a restore
+    without ``recent.queries``; 0: the user has none)."""
+
+    def __init__(self, keep: int) -> None:
+        if keep < 1:
+            raise ValueError("RecentEvents keeps at least one event")
+        self.keep = keep
+        self._rows = UserRows()
+        for name in _EVENT_FIELDS:
+            self._rows.add(name, (keep,), np.int64)
+        for name in ("count", "qcount", "end"):
+            self._rows.add(name, (), np.int64)
+        self._qshape: tuple[int, ...] | None = None
+        """q~'s [L, H, K], from the first queries seen (then the ``queries`` array exists)."""
+        self._long: dict[str, tuple[UserEvents, np.ndarray | None]] = {}
+        """Users restored with more than ``keep`` events, in the plain form."""
+
+    def observe(
+        self,
+        user_ids: list[str],
+        items: np.ndarray,
+        actions: np.ndarray,
+        ts_ms: np.ndarray,
+        lengths: np.ndarray,
+        q_tilde: torch.Tensor,
+        packed: bool = False,
+    ) -> None:
+        """New events of a step: [B, T] host arrays, ``lengths`` [B], q~ [B, T, L, H, K]
+        (``packed``: [N, L, H, K], one row per event, user by user)."""
+        k = self.keep
+        lengths = np.asarray(lengths)
+        b = np.flatnonzero(lengths > 0)
+        if not len(b):
+            return
+        n = lengths[b].astype(np.int64)
+        m = np.minimum(n, k)  # only the last keep new events of a user can stay
+        rep = np.repeat(np.arange(len(b)), m)
+        src, col = b[rep], (n - m)[rep] + positions(m)  # those events, user after user
+        # their q~ (only theirs), moved to the host in one copy
+        dev = q_tilde.device
+        if packed:
+            flat = (np.cumsum(lengths) - lengths)[src] + col
+            picked = q_tilde[torch.as_tensor(flat, device=dev)]
+        else:
+            picked = q_tilde[torch.as_tensor(src, device=dev), torch.as_tensor(col, device=dev)]
+        q = picked.detach().to("cpu", torch.float32).numpy()
+        users = [user_ids[i] for i in b.tolist()]
+        if self._long:
+            self._settle(users)
+        self._ensure_queries(q.shape[1:])
+        rows = self._rows.assign(users)
+        if len(np.unique(rows)) == len(rows):
+            self._write(rows, n, src, col, items, actions, ts_ms, q)
+        else:  # a user twice in one call: one at a time, in order
+            ends = np.cumsum(m)
+            for j in range(len(b)):
+                s = slice(int(ends[j] - m[j]), int(ends[j]))
+                self._write(
+                    rows[j : j + 1], n[j : j + 1], src[s], col[s], items, actions, ts_ms, q[s]
+                )
+
+    def _write(
+        self,
+        rows: np.ndarray,
+        n: np.ndarray,
+        src: np.ndarray,
+        col: np.ndarray,
+        items: np.ndarray,
+        actions: np.ndarray,
+        ts_ms: np.ndarray,
+        q: np.ndarray,
+    ) -> None:
+        """Users ``rows`` (distinct) got ``n`` new events each, of which the last
+        min(n, keep) are at [``src``, ``col``] of the batch arrays with q~ ``q``, user after
+        user."""
+        k = self.keep
+        a = self._rows.arrays
+        count, qcount, end = a["count"], a["qcount"], a["end"]
+        m = np.minimum(n, k)
+        rep = np.repeat(np.arange(len(rows)), m)
+        r = rows[rep]
+        slot = ((end[rows] + n - m)[rep] + positions(m)) % k
+        a["items"][r, slot] = items[src, col]
+        a["actions"][r, slot] = actions[src, col]
+        a["ts_ms"][r, slot] = ts_ms[src, col]
+        a["queries"][r, slot] = q
+        count[rows] = np.minimum(count[rows] + n, k)
+        qcount[rows] = np.minimum(qcount[rows] + n, k)
+        end[rows] = (end[rows] + n) % k
+
+    def _ensure_queries(self, shape: tuple[int, ...]) -> None:
+        if self._qshape is None:
+            self._qshape = tuple(shape)
+            self._rows.add("queries", (self.keep, *shape), np.float32)
+        elif tuple(shape) != self._qshape:
+            raise ValueError(f"recent q~ of shape {tuple(shape)}, kept ones are {self._qshape}")
+
+    def _settle(self, users: list[str]) -> None:
+        """Restored users with more than ``keep`` events that have new ones: only their
+        last ``keep`` can stay, which the rings hold."""
+        k = self.keep
+        for user in [u for u in dict.fromkeys(users) if u in self._long]:
+            tail, q = self._long.pop(user)
+            last = UserEvents(tail.items[-k:], tail.actions[-k:], tail.ts_ms[-k:])
+            self._put([user], last, np.array([len(last)]), None if q is None else q[-k:])
+
+    def _put(
+        self, users: list[str], events: UserEvents, lengths: np.ndarray, queries: np.ndarray | None
+    ) -> None:
+        """Install the users' events (``lengths[i]`` <= keep each, user after user, with
+        their q~ or none) in fresh rows."""
+        rows = self._rows.assign(users)
+        c = lengths.astype(np.int64)
+        rep = np.repeat(np.arange(len(users)), c)
+        t = positions(c)
+        a = self._rows.arrays
+        for f in _EVENT_FIELDS:
+            a[f][rows[rep], t] = getattr(events, f)
+        if queries is not None:
+            self._ensure_queries(queries.shape[1:])
+            self._rows.arrays["queries"][rows[rep], t] = queries
+        a = self._rows.arrays
+        a["count"][rows] = c
+        a["qcount"][rows] = c if queries is not None else 0
+        a["end"][rows] = c % self.keep
+
+    def recent(self, user_id: str, n: int) -> UserEvents:
+        if user_id in self._long:
+            tail = self._long[user_id][0]
+            return UserEvents(tail.items[-n:], tail.actions[-n:], tail.ts_ms[-n:])
+        row = self._rows.of.get(user_id)
+        if row is None:
+            return UserEvents.empty()
+        a = self._rows.arrays
+        slots = self._slots(row, int(a["count"][row]))
+        return UserEvents(*(a[f][row, slots][-n:] for f in _EVENT_FIELDS))
+
+    def recent_queries(self, user_id: str, n: int) -> np.ndarray | None:
+        """q~ [n', L, H, K] of the events ``recent(user_id, n)`` returns (None if unknown)."""
+        if user_id in self._long:
+            q = self._long[user_id][1]
+            return None if q is None else q[-n:]
+        row = self._rows.of.get(user_id)
+        if row is None or self._rows.arrays["qcount"][row] == 0:
+            return None
+        a = self._rows.arrays
+        return a["queries"][row, self._slots(row, int(a["qcount"][row]))][-n:]
+
+    def _slots(self, row: int, c: int) -> np.ndarray:
+        """Slots of row ``row``'s last ``c`` events, oldest first."""
+        return (int(self._rows.arrays["end"][row]) - c + np.arange(c)) % self.keep
+
+    def export(self, user_ids: list[str]) -> dict[str, np.ndarray]:
+        """The tails of ``user_ids`` as flat arrays (keys ``recent.*``) for a checkpoint."""
+        if self._long and any(u in self._long for u in user_ids):
+            return self._export_plain(user_ids)
+        rows = self._rows.lookup(user_ids)
+        a = self._rows.arrays
+        known = rows >= 0
+        lengths = np.zeros(len(user_ids), np.int64)
+        lengths[known] = a["count"][rows[known]]
+        qlengths = np.zeros(len(user_ids), np.int64)
+        qlengths[known] = a["qcount"][rows[known]]
+        out = {PREFIX + "lengths": lengths}
+        cells = ring_cells(rows, lengths, a["end"], self.keep)
+        for f in _EVENT_FIELDS:
+            out[PREFIX + f] = a[f][cells]
+        tailed = lengths > 0
+        if tailed.any() and (qlengths[tailed] > 0).all():
+            out[PREFIX + "queries"] = a["queries"][ring_cells(rows, qlengths, a["end"], self.keep)]
+        return out
+
+    def _export_plain(self, user_ids: list[str]) -> dict[str, np.ndarray]:
+        """``export`` user by user (some users are in the plain form)."""
+        tails = [self.recent(u, 0) for u in user_ids]  # [-0:]: all of them
+        queries = [self.recent_queries(u, 0) for u, t in zip(user_ids, tails) if len(t)]
+        out = {PREFIX + "lengths": np.array([len(t) for t in tails], dtype=np.int64)}
+        joined = UserEvents.concat(tails)
+        out[PREFIX + "items"] = joined.items
+        out[PREFIX + "actions"] = joined.actions
+        out[PREFIX + "ts_ms"] = joined.ts_ms
+        if queries and all(q is not None for q in queries):
+            out[PREFIX + "queries"] = np.concatenate(queries).astype(np.float32)  # type: ignore[arg-type]
+        return out
+
+    def load(self, user_ids: list[str], arrays: dict[str, np.ndarray]) -> None:
+        """Install the tails ``export`` wrote for ``user_ids`` (arrays without ``recent.*``
+        keys: the users have no tails)."""
+        lengths = arrays.get(PREFIX + "lengths")
+        self.drop(user_ids)
+        if lengths is None:
+            return
+        if len(lengths) != len(user_ids):
+            raise ValueError(
+                f"checkpoint has recent events of {len(lengths)} users, "
+                f"{len(user_ids)} users restored"
+            )
+        lengths = np.asarray(lengths)
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        queries = arrays.get(PREFIX + "queries")
+        if queries is not None and len(queries) != int(ends[-1] if len(ends) else 0):
+            raise ValueError("checkpoint recent.queries do not match recent.lengths")
+        cols = {f: arrays[PREFIX + f] for f in _EVENT_FIELDS} if (lengths > 0).any() else {}
+        for i in np.flatnonzero(lengths > self.keep).tolist():  # the plain form
+            s, e = int(starts[i]), int(ends[i])
+            tail = UserEvents(*(cols[f][s:e].astype(np.int64) for f in _EVENT_FIELDS))
+            q = None if queries is None else queries[s:e].astype(np.float32)
+            self._long[user_ids[i]] = (tail, q)
+        short = np.flatnonzero((lengths > 0) & (lengths <= self.keep))
+        if not len(short):
+            return
+        c = lengths[short]
+        src = np.repeat(starts[short], c) + positions(c)
+        self._put(
+            [user_ids[i] for i in short.tolist()],
+            UserEvents(*(cols[f][src].astype(np.int64) for f in _EVENT_FIELDS)),
+            c,
+            None if queries is None else queries[src].astype(np.float32),
+        )
+
+    def drop(self, user_ids: list[str]) -> None:
+        if self._long:
+            for user in user_ids:
+                self._long.pop(user, None)
+        rows = self._rows.release(user_ids)
+        if len(rows):
+            a = self._rows.arrays
+            a["count"][rows] = a["qcount"][rows] = a["end"][rows] = 0
+
+
+class RecentEventsReference:
+    """The plain form of :class:`RecentEvents` (arrays per user, a user at a time): the
+    fast path must agree with it on every step, export and load."""
 
     def __init__(self, keep: int) -> None:
         if keep < 1:

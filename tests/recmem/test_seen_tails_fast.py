@@ -1,15 +1,17 @@
 """The engine's vectorised per-user structures against their plain references, over many
-random batches: the duplicate policy (SeenEvents).
+random batches: the duplicate policy (SeenEvents) and the latest events (RecentEvents).
 
-Users repeat inside a batch (more events than the window included), keys repeat inside
-and across batches, users are dropped and restored from exported arrays (also under
-another window), and every answer, export and count must be the same, the exported
-arrays byte for byte."""
+Users repeat inside a batch (more events than the window or ``keep`` included), keys repeat
+inside and across batches, users are dropped and restored from exported arrays (also
+under another window or ``keep``, and without q~), and every answer, export and count must
+be the same, the exported arrays byte for byte."""
 
 import numpy as np
 import pytest
+import torch
 
 from recmem.engine.dedupe import SeenEvents, SeenEventsReference
+from recmem.engine.tails import RecentEvents, RecentEventsReference
 
 
 def assert_same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
@@ -94,3 +96,92 @@ def test_seen_events_off_and_empty() -> None:
     assert_same_arrays(fast.export(["x"]), ref.export(["x"]))
     with pytest.raises(ValueError, match="restored"):
         fast.load(["a", "b"], ref.export(["a"]))
+
+
+# ---- RecentEvents --------------------------------------------------------------------
+
+QSHAPE = (1, 2, 3)
+
+
+def recent_step(
+    rng: np.random.Generator, pool: int, keep: int, packed: bool, counter: list[int]
+) -> tuple:
+    B = int(rng.integers(1, 9))
+    users = zipf_users(rng, B, pool)
+    if rng.random() < 0.7:  # distinct users, as the engine's pieces; else repeats
+        users = list(dict.fromkeys(users))
+        B = len(users)
+    lengths = rng.integers(0, keep + 4, size=B).astype(np.int64)
+    T = max(int(lengths.max()), 1)
+    items = rng.integers(0, 1000, size=(B, T)).astype(np.int64)
+    actions = rng.integers(0, 3, size=(B, T)).astype(np.int64)
+    ts = (counter[0] + np.arange(B * T).reshape(B, T)).astype(np.int64)
+    counter[0] += B * T
+    q = torch.randn(B, T, *QSHAPE)
+    if packed:
+        q = q[torch.arange(T)[None, :] < torch.as_tensor(lengths)[:, None]]
+    return users, items, actions, ts, lengths, q
+
+
+def check_recent(
+    fast: RecentEvents, ref: RecentEventsReference, users: list[str], keep: int
+) -> None:
+    for u in users:
+        for n in (0, 1, keep, keep + 3):
+            a, b = fast.recent(u, n), ref.recent(u, n)
+            for f in ("items", "actions", "ts_ms"):
+                x, y = getattr(a, f), getattr(b, f)
+                assert x.dtype == y.dtype and x.tolist() == y.tolist(), (u, n, f)
+            qa, qb = fast.recent_queries(u, n), ref.recent_queries(u, n)
+            assert (qa is None) == (qb is None), (u, n)
+            if qa is not None and qb is not None:
+                assert qa.dtype == qb.dtype and qa.shape == qb.shape
+                assert qa.tobytes() == qb.tobytes(), (u, n)
+    assert_same_arrays(fast.export(users), ref.export(users))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("keep", [1, 3, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_recent_events_agree_with_the_reference(packed: bool, keep: int, seed: int) -> None:
+    rng = np.random.default_rng(seed * 10 + keep)
+    torch.manual_seed(seed)
+    pool, counter = 10, [0]
+    fast, ref = RecentEvents(keep), RecentEventsReference(keep)
+    every = [f"u{j}" for j in range(pool)] + ["nobody"]
+    for step in range(50):
+        users, items, actions, ts, lengths, q = recent_step(rng, pool, keep, packed, counter)
+        fast.observe(users, items, actions, ts, lengths, q, packed=packed)
+        ref.observe(users, items, actions, ts, lengths, q, packed=packed)
+        check_recent(fast, ref, every, keep)
+        if step % 7 == 3:
+            gone = list(rng.choice(every, size=3, replace=False))
+            fast.drop(gone)
+            ref.drop(gone)
+        if step % 9 == 4:  # a restore, maybe written under another keep, maybe without q~
+            part = list(rng.choice(every, size=5, replace=False))
+            other = RecentEventsReference(int(rng.choice([1, keep, keep + 4])))
+            for _ in range(3):
+                u2, it2, ac2, ts2, len2, q2 = recent_step(rng, pool, keep, False, counter)
+                other.observe(u2, it2, ac2, ts2, len2, q2)
+            arrays = other.export(part)
+            if rng.random() < 0.3:
+                arrays.pop("recent.queries", None)
+            fast.load(part, arrays)
+            ref.load(part, arrays)
+            check_recent(fast, ref, every, keep)
+    check_recent(fast, ref, every, keep)
+
+
+def test_recent_events_edge_cases() -> None:
+    fast, ref = RecentEvents(2), RecentEventsReference(2)
+    check_recent(fast, ref, ["x"], 2)
+    z = np.zeros((1, 1), np.int64)
+    for s in (fast, ref):  # no events at all: nothing changes
+        s.observe(["a"], z, z, z, np.zeros(1, np.int64), torch.zeros(1, 1, *QSHAPE))
+    check_recent(fast, ref, ["a"], 2)
+    with pytest.raises(ValueError, match="users restored"):
+        fast.load(["a", "b"], ref.export(["a"]))
+    with pytest.raises(ValueError, match="do not match"):
+        arrays = {"recent.lengths": np.array([1]), "recent.queries": np.zeros((2, *QSHAPE))}
+        fast.load(["a"], arrays)
