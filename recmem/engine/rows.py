@@ -1,5 +1,6 @@
 """Per-user state as rows of dense arrays: a dict user id -> row, a free list of the rows
-of dropped users, and arrays (first axis: rows) grown geometrically, in place.
+of dropped users, and arrays (first axis: rows) grown geometrically, in place; and a pool
+of per-event slots (``SlotPool``) for data a user holds a varying amount of.
 
 The engine's per-user structures (``dedupe.SeenEvents``, ``tails.RecentEvents``) keep
 their users here so that a batch's work is numpy over the whole batch plus one dict
@@ -73,12 +74,55 @@ class UserRows:
         return np.concatenate([np.asarray(reused[::-1], np.int64), fresh])
 
     def _grow(self, capacity: int) -> None:
-        # In place (realloc: large buffers move without a copy; the new rows are zeroed).
-        # No view of these arrays outlives a call of their owner (it hands out copies), so
-        # the reference check is off: it would also count the owner's local names.
-        for a in self.arrays.values():
-            a.resize((capacity, *a.shape[1:]), refcheck=False)
+        grow_in_place(self.arrays, capacity)
         self.capacity = capacity
+
+
+class SlotPool:
+    """Slots of per-event arrays (``add``), handed out and given back in bulk: a stack of
+    free slot ids; the arrays grow in place like :class:`UserRows`'s."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, np.ndarray] = {}
+        """Name -> array [capacity, ...], resized in place when slots are added."""
+        self.capacity = 0
+        self._free = np.zeros(0, np.int64)
+        """Free slot ids: ``_free[:_n_free]``."""
+        self._n_free = 0
+
+    def add(self, name: str, shape: tuple[int, ...], dtype: type | np.dtype) -> None:
+        self.arrays[name] = np.zeros((self.capacity, *shape), dtype)
+
+    @property
+    def used(self) -> int:
+        return self.capacity - self._n_free
+
+    def take(self, n: int) -> np.ndarray:
+        """``n`` free slots (whatever their last user left in them)."""
+        if n > self._n_free:
+            old = self.capacity
+            cap = max(old + n - self._n_free, old + old // 4, 64)
+            grow_in_place(self.arrays, cap)
+            self._free.resize(cap, refcheck=False)
+            self._free[self._n_free : self._n_free + cap - old] = np.arange(old, cap)
+            self._n_free += cap - old
+            self.capacity = cap
+        self._n_free -= n
+        return self._free[self._n_free : self._n_free + n].copy()
+
+    def give(self, ids: np.ndarray) -> None:
+        """Slots no longer used (each given once)."""
+        self._free[self._n_free : self._n_free + len(ids)] = ids
+        self._n_free += len(ids)
+
+
+def grow_in_place(arrays: dict[str, np.ndarray], capacity: int) -> None:
+    """Resize every array to ``capacity`` rows in place (realloc: a large buffer moves
+    without a copy; the new rows are zeroed). No view of these arrays outlives a call of
+    their owner (it hands out copies), so the reference check is off: it would also count
+    the owner's local names."""
+    for a in arrays.values():
+        a.resize((capacity, *a.shape[1:]), refcheck=False)
 
 
 def ring_cells(

@@ -5,16 +5,18 @@ the request carries no context (recmem/ranking.py). They travel in the partition
 next to the notes (arrays ``recent.*``), so a restarted service routes exactly as before.
 Owned by the engine (one thread): no lock.
 
-``RecentEvents`` holds a user's last ``keep`` events as one row of rings (rows.UserRows):
-items, actions, ts_ms [keep] int64 and q~ [keep, L, H, K] float32, so that a batch is
-written with numpy; ``RecentEventsReference`` is the plain per-user form it must agree
-with (tests/recmem/test_seen_tails_fast.py). Memory per user: keep * (24 + 4 * L*H*K)
-bytes plus 24 bytes of counts and ring position (4,312 bytes at keep 8 with the default
-model's L*H*K = 2*2*32: the same arrays as before, less four array objects), plus the
-user's dict entry; the table grows by 5/4, so up to a fifth of its rows may wait unused.
-A user restored with more than ``keep`` events (a checkpoint written under a larger
-``server.replay_query_events``) keeps them in the plain form until its next event, as
-before.
+``RecentEvents`` holds every kept event in a slot of a pool (item, action, ts_ms int64
+and q~ [L, H, K] float32: 24 + 4 * L*H*K bytes, 536 with the default model's 2*2*32) and
+each user as a row of ``keep`` slot ids (rows.UserRows, rows.SlotPool), so that a step is
+written with numpy and a user holds slots for its events only, as before; per user 4 *
+keep + 24 bytes of slot ids, counts and ring position (56 at keep 8) plus the user's dict
+entry, where the per-user arrays and their objects took about 680 bytes (on the
+workload's first 100,000 events, 1.4 held events a user: 1,038 against 1,416 bytes a user
+in all, tracemalloc). Both grow by 5/4, so up to a fifth of the rows and slots may wait
+unused. ``RecentEventsReference`` is the plain per-user form it must agree with
+(tests/recmem/test_seen_tails_fast.py). A user restored with more than ``keep`` events (a
+checkpoint written under a larger ``server.replay_query_events``) keeps them in the plain
+form until its next event, as before.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from recmem.engine.rows import UserRows, positions, ring_cells
+from recmem.engine.rows import SlotPool, UserRows, positions, ring_cells
 from recmem.ranking import UserEvents
 
 PREFIX = "recent."
@@ -32,21 +34,26 @@ _EVENT_FIELDS = ("items", "actions", "ts_ms")
 class RecentEvents:
     """The last ``keep`` events of every user with their q~ [n, L, H, K] (float32, host).
 
-    Row r of the rings: events at slots ``(end[r] - count[r] + t) % keep``, oldest first;
-    the last ``qcount[r] <= count[r]`` of them have their q~ (fewer only after a restore
-    without ``recent.queries``; 0: the user has none)."""
+    Each held event is a slot of ``_pool`` (item, action, ts_ms, q~); a user is row r of
+    ``_rows``: ``slot[r]``, a ring of ``keep`` slot ids whose events are at positions
+    ``(end[r] - count[r] + t) % keep``, oldest first, and while ``count[r] < keep`` fill
+    positions ``0 .. count[r]-1`` (``end[r] == count[r]``). The last ``qcount[r] <=
+    count[r]`` of them have their q~ (fewer only after a restore without
+    ``recent.queries``; 0: the user has none). A user holds slots for its events only."""
 
     def __init__(self, keep: int) -> None:
         if keep < 1:
             raise ValueError("RecentEvents keeps at least one event")
         self.keep = keep
         self._rows = UserRows()
-        for name in _EVENT_FIELDS:
-            self._rows.add(name, (keep,), np.int64)
+        self._rows.add("slot", (keep,), np.int32)
         for name in ("count", "qcount", "end"):
             self._rows.add(name, (), np.int64)
+        self._pool = SlotPool()
+        for name in _EVENT_FIELDS:
+            self._pool.add(name, (), np.int64)
         self._qshape: tuple[int, ...] | None = None
-        """q~'s [L, H, K], from the first queries seen (then the ``queries`` array exists)."""
+        """q~'s [L, H, K], from the first queries seen (then the pool has ``queries``)."""
         self._long: dict[str, tuple[UserEvents, np.ndarray | None]] = {}
         """Users restored with more than ``keep`` events, in the plain form."""
 
@@ -84,41 +91,33 @@ class RecentEvents:
             self._settle(users)
         self._ensure_queries(q.shape[1:])
         rows = self._rows.assign(users)
+        new = {"items": items[src, col], "actions": actions[src, col], "ts_ms": ts_ms[src, col]}
+        new["queries"] = q
         if len(np.unique(rows)) == len(rows):
-            self._write(rows, n, src, col, items, actions, ts_ms, q)
+            self._write(rows, n, new)
         else:  # a user twice in one call: one at a time, in order
             ends = np.cumsum(m)
             for j in range(len(b)):
                 s = slice(int(ends[j] - m[j]), int(ends[j]))
-                self._write(
-                    rows[j : j + 1], n[j : j + 1], src[s], col[s], items, actions, ts_ms, q[s]
-                )
+                self._write(rows[j : j + 1], n[j : j + 1], {f: v[s] for f, v in new.items()})
 
-    def _write(
-        self,
-        rows: np.ndarray,
-        n: np.ndarray,
-        src: np.ndarray,
-        col: np.ndarray,
-        items: np.ndarray,
-        actions: np.ndarray,
-        ts_ms: np.ndarray,
-        q: np.ndarray,
-    ) -> None:
+    def _write(self, rows: np.ndarray, n: np.ndarray, new: dict[str, np.ndarray]) -> None:
         """Users ``rows`` (distinct) got ``n`` new events each, of which the last
-        min(n, keep) are at [``src``, ``col``] of the batch arrays with q~ ``q``, user after
-        user."""
+        min(n, keep) are ``new`` (pool fields), user after user."""
         k = self.keep
         a = self._rows.arrays
-        count, qcount, end = a["count"], a["qcount"], a["end"]
+        count, qcount, end, slot = a["count"], a["qcount"], a["end"], a["slot"]
         m = np.minimum(n, k)
         rep = np.repeat(np.arange(len(rows)), m)
-        r = rows[rep]
-        slot = ((end[rows] + n - m)[rep] + positions(m)) % k
-        a["items"][r, slot] = items[src, col]
-        a["actions"][r, slot] = actions[src, col]
-        a["ts_ms"][r, slot] = ts_ms[src, col]
-        a["queries"][r, slot] = q
+        r, held = rows[rep], count[rows][rep]
+        pos = ((end[rows] + n - m)[rep] + positions(m)) % k
+        # a position that holds an event gets the new one in its slot, the others new slots
+        fresh = (held < k) & (pos >= held)
+        ids = slot[r, pos].astype(np.int64)
+        ids[fresh] = self._pool.take(int(fresh.sum()))
+        slot[r[fresh], pos[fresh]] = ids[fresh]
+        for f, v in new.items():
+            self._pool.arrays[f][ids] = v
         count[rows] = np.minimum(count[rows] + n, k)
         qcount[rows] = np.minimum(qcount[rows] + n, k)
         end[rows] = (end[rows] + n) % k
@@ -126,7 +125,7 @@ class RecentEvents:
     def _ensure_queries(self, shape: tuple[int, ...]) -> None:
         if self._qshape is None:
             self._qshape = tuple(shape)
-            self._rows.add("queries", (self.keep, *shape), np.float32)
+            self._pool.add("queries", tuple(shape), np.float32)
         elif tuple(shape) != self._qshape:
             raise ValueError(f"recent q~ of shape {tuple(shape)}, kept ones are {self._qshape}")
 
@@ -147,14 +146,14 @@ class RecentEvents:
         rows = self._rows.assign(users)
         c = lengths.astype(np.int64)
         rep = np.repeat(np.arange(len(users)), c)
-        t = positions(c)
+        ids = self._pool.take(int(c.sum()))
         a = self._rows.arrays
+        a["slot"][rows[rep], positions(c)] = ids
         for f in _EVENT_FIELDS:
-            a[f][rows[rep], t] = getattr(events, f)
+            self._pool.arrays[f][ids] = getattr(events, f)
         if queries is not None:
             self._ensure_queries(queries.shape[1:])
-            self._rows.arrays["queries"][rows[rep], t] = queries
-        a = self._rows.arrays
+            self._pool.arrays["queries"][ids] = queries
         a["count"][rows] = c
         a["qcount"][rows] = c if queries is not None else 0
         a["end"][rows] = c % self.keep
@@ -166,9 +165,8 @@ class RecentEvents:
         row = self._rows.of.get(user_id)
         if row is None:
             return UserEvents.empty()
-        a = self._rows.arrays
-        slots = self._slots(row, int(a["count"][row]))
-        return UserEvents(*(a[f][row, slots][-n:] for f in _EVENT_FIELDS))
+        ids = self._ids(row, int(self._rows.arrays["count"][row]))
+        return UserEvents(*(self._pool.arrays[f][ids][-n:] for f in _EVENT_FIELDS))
 
     def recent_queries(self, user_id: str, n: int) -> np.ndarray | None:
         """q~ [n', L, H, K] of the events ``recent(user_id, n)`` returns (None if unknown)."""
@@ -178,12 +176,13 @@ class RecentEvents:
         row = self._rows.of.get(user_id)
         if row is None or self._rows.arrays["qcount"][row] == 0:
             return None
-        a = self._rows.arrays
-        return a["queries"][row, self._slots(row, int(a["qcount"][row]))][-n:]
+        ids = self._ids(row, int(self._rows.arrays["qcount"][row]))
+        return self._pool.arrays["queries"][ids][-n:]
 
-    def _slots(self, row: int, c: int) -> np.ndarray:
-        """Slots of row ``row``'s last ``c`` events, oldest first."""
-        return (int(self._rows.arrays["end"][row]) - c + np.arange(c)) % self.keep
+    def _ids(self, row: int, c: int) -> np.ndarray:
+        """Slot ids of row ``row``'s last ``c`` events, oldest first."""
+        a = self._rows.arrays
+        return a["slot"][row, (int(a["end"][row]) - c + np.arange(c)) % self.keep]
 
     def export(self, user_ids: list[str]) -> dict[str, np.ndarray]:
         """The tails of ``user_ids`` as flat arrays (keys ``recent.*``) for a checkpoint."""
@@ -197,12 +196,13 @@ class RecentEvents:
         qlengths = np.zeros(len(user_ids), np.int64)
         qlengths[known] = a["qcount"][rows[known]]
         out = {PREFIX + "lengths": lengths}
-        cells = ring_cells(rows, lengths, a["end"], self.keep)
+        ids = a["slot"][ring_cells(rows, lengths, a["end"], self.keep)]
         for f in _EVENT_FIELDS:
-            out[PREFIX + f] = a[f][cells]
+            out[PREFIX + f] = self._pool.arrays[f][ids]
         tailed = lengths > 0
         if tailed.any() and (qlengths[tailed] > 0).all():
-            out[PREFIX + "queries"] = a["queries"][ring_cells(rows, qlengths, a["end"], self.keep)]
+            qids = a["slot"][ring_cells(rows, qlengths, a["end"], self.keep)]
+            out[PREFIX + "queries"] = self._pool.arrays["queries"][qids]
         return out
 
     def _export_plain(self, user_ids: list[str]) -> dict[str, np.ndarray]:
@@ -261,6 +261,8 @@ class RecentEvents:
         rows = self._rows.release(user_ids)
         if len(rows):
             a = self._rows.arrays
+            c = a["count"][rows]  # a user's events fill positions 0 .. count-1
+            self._pool.give(a["slot"][np.repeat(rows, c), positions(c)].astype(np.int64))
             a["count"][rows] = a["qcount"][rows] = a["end"][rows] = 0
 
 

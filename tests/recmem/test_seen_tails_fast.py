@@ -138,6 +138,9 @@ def check_recent(
                 assert qa.dtype == qb.dtype and qa.shape == qb.shape
                 assert qa.tobytes() == qb.tobytes(), (u, n)
     assert_same_arrays(fast.export(users), ref.export(users))
+    # every event slot in use belongs to one held event: none leaks on drops and restores
+    rows = list(fast._rows.of.values())
+    assert fast._pool.used == int(fast._rows.arrays["count"][rows].sum())
 
 
 @pytest.mark.parametrize("packed", [False, True])
