@@ -12,15 +12,18 @@ default model's shape [L, H, K] = [2, 2, 32] in the packed form the CPU path use
 Figures: microseconds per event of the whole sequence, per round, and their median, for a
 fresh instance (``cold``: the first 100,000 events bring 44,196 new users, so the row
 tables grow) and for a second pass of the same batches over it (``warm``: every user known;
-``keep`` gets other keys, so that nothing is a duplicate).
+``keep`` gets other keys, so that nothing is a duplicate); and the bytes per user each
+form holds after one pass (tracemalloc, which counts numpy's buffers).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
+import tracemalloc
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -60,38 +63,40 @@ def main() -> None:
     queries = [torch.randn(int(g.lengths.sum()), 2, 2, 32, generator=rng) for g in grouped]
     window, keep = cfg.state.dedupe_window, cfg.server.replay_query_events
 
-    def run_keep(cls: type) -> tuple[float, float]:
-        seen = cls(window)
-        t = time.perf_counter()
+    def feed_keep(seen: SeenEvents | SeenEventsReference, shift: int = 0) -> None:
         for b in batches:
-            seen.keep(b.user_id, b.key)
-        t1 = time.perf_counter()
-        for b in batches:  # again, every user known (other keys: no duplicates)
-            seen.keep(b.user_id, b.key + 1)
-        return t1 - t, time.perf_counter() - t1
+            seen.keep(b.user_id, b.key + shift)
 
-    def run_observe(cls: type) -> tuple[float, float]:
-        tails = cls(keep)
-        times = []
-        for _ in range(2):  # the second pass: every user known
-            t = time.perf_counter()
-            for g, q in zip(grouped, queries):
-                tails.observe(g.user_ids, g.items, g.actions, g.ts_ms, g.lengths, q, packed=True)
-            times.append(time.perf_counter() - t)
-        return times[0], times[1]
+    def feed_observe(tails: RecentEvents | RecentEventsReference) -> None:
+        for g, q in zip(grouped, queries):
+            tails.observe(g.user_ids, g.items, g.actions, g.ts_ms, g.lengths, q, packed=True)
 
-    cases = {
-        "keep": (run_keep, {"reference": SeenEventsReference, "fast": SeenEvents}),
-        "observe": (run_observe, {"reference": RecentEventsReference, "fast": RecentEvents}),
-    }
+    def run(case: str, fast: bool) -> tuple[float, float]:
+        """Seconds of a pass on a fresh instance and of a second pass over it."""
+        if case == "keep":
+            seen = (SeenEvents if fast else SeenEventsReference)(window)
+            t0 = time.perf_counter()
+            feed_keep(seen)
+            t1 = time.perf_counter()
+            feed_keep(seen, shift=1)  # every user known, other keys: no duplicates
+        else:
+            tails = (RecentEvents if fast else RecentEventsReference)(keep)
+            t0 = time.perf_counter()
+            feed_observe(tails)
+            t1 = time.perf_counter()
+            feed_observe(tails)
+        return t1 - t0, time.perf_counter() - t1
+
     us: dict[str, dict[str, list[float]]] = {
-        f"{c}_{p}": {"reference": [], "fast": []} for c in cases for p in ("cold", "warm")
+        f"{c}_{p}": {"reference": [], "fast": []}
+        for c in ("keep", "observe")
+        for p in ("cold", "warm")
     }
     for r in range(args.rounds):
-        for case, (fn, classes) in cases.items():
-            names = list(classes) if r % 2 == 0 else list(classes)[::-1]
-            for name in names:
-                cold, warm = fn(classes[name])
+        for case in ("keep", "observe"):
+            for fast in (False, True) if r % 2 == 0 else (True, False):
+                name = "fast" if fast else "reference"
+                cold, warm = run(case, fast)
                 us[f"{case}_cold"][name].append(round(cold / len(events) * 1e6, 3))
                 us[f"{case}_warm"][name].append(round(warm / len(events) * 1e6, 3))
     figures = {
@@ -101,11 +106,31 @@ def main() -> None:
         }
         for case, per in us.items()
     }
-    for case, per in figures.items():
-        ref, fast = per["reference"]["median_us_per_event"], per["fast"]["median_us_per_event"]
+    for case, per in us.items():
+        ref, new = statistics.median(per["reference"]), statistics.median(per["fast"])
         print(
-            f"{case:13s} reference {ref:7.3f} us/event  fast {fast:7.3f} us/event  x{ref / fast:.1f}"
+            f"{case:13s} reference {ref:7.3f} us/event  fast {new:7.3f} us/event  x{ref / new:.1f}"
         )
+    # memory: what each form holds after one pass (tracemalloc, numpy's buffers included)
+    n_users = len({e.user_id for e in events})
+    held: dict[str, dict[str, int]] = {"keep": {}, "observe": {}}
+    for case in held:
+        for fast in (False, True):
+            gc.collect()
+            tracemalloc.start()
+            filled: object
+            if case == "keep":
+                filled = (SeenEvents if fast else SeenEventsReference)(window)
+                feed_keep(filled)  # type: ignore[arg-type]
+            else:
+                filled = (RecentEvents if fast else RecentEventsReference)(keep)
+                feed_observe(filled)  # type: ignore[arg-type]
+            gc.collect()
+            name = "fast" if fast else "reference"
+            held[case][name] = round(tracemalloc.get_traced_memory()[0] / n_users)
+            tracemalloc.stop()
+            del filled
+        print(f"{case:13s} bytes per user after one pass: {held[case]}")
     result = {
         "benchmark": "seen_tails_micro",
         "machine": machine(),
@@ -121,6 +146,7 @@ def main() -> None:
         "keep": keep,
         "torch_threads": 1,
         "figures": figures,
+        "bytes_per_user": held,
     }
     if args.json:
         write_result(Path(args.json), result)
