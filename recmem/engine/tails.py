@@ -5,18 +5,19 @@ the request carries no context (recmem/ranking.py). They travel in the partition
 next to the notes (arrays ``recent.*``), so a restarted service routes exactly as before.
 Owned by the engine (one thread): no lock.
 
-``RecentEvents`` holds every kept event in a slot of a pool (item, action, ts_ms int64
-and q~ [L, H, K] float32: 24 + 4 * L*H*K bytes, 536 with the default model's 2*2*32) and
-each user as a row of ``keep`` slot ids (rows.UserRows, rows.SlotPool), so that a step is
+``RecentEvents`` holds every kept event in a slot of a pool (item, action, ts_ms int64 and
+q~ [L, H, K] float32: 24 + 4 * L*H*K bytes, 536 with the default model's 2*2*32) and each
+user as a row of ``keep`` slot ids (rows.UserRows, rows.SlotPool), so that a step is
 written with numpy and a user holds slots for its events only, as before; per user 4 *
 keep + 24 bytes of slot ids, counts and ring position (56 at keep 8) plus the user's dict
-entry, where the per-user arrays and their objects took about 680 bytes (on the
-workload's first 100,000 events, 1.4 held events a user: 1,038 against 1,416 bytes a user
-in all, tracemalloc). Both grow by 5/4, so up to a fifth of the rows and slots may wait
-unused. ``RecentEventsReference`` is the plain per-user form it must agree with
-(tests/recmem/test_seen_tails_fast.py). A user restored with more than ``keep`` events (a
-checkpoint written under a larger ``server.replay_query_events``) keeps them in the plain
-form until its next event, as before.
+entry, where the per-user arrays and their objects took about 680 bytes (on the workload's
+first 100,000 events, 1.4 held events a user: 1,016 against 1,416 bytes a user in all,
+tracemalloc: bench/experiments/seen_tails_micro_cpu.json). Both grow by 5/4, so up to a
+fifth of the rows and slots may wait unused. ``RecentEventsReference`` is the plain
+per-user form it must agree with (tests/recmem/test_seen_tails_fast.py). A user restored
+with more than ``keep`` events (a checkpoint written under a larger
+``server.replay_query_events``) keeps them in the plain form until its next event, as
+before.
 """
 
 from __future__ import annotations
