@@ -297,7 +297,8 @@ class NoteBank:
         u_unit = l2_normalise(q_a[..., self.coords]).astype(PENDING_DTYPE)
         starts = np.cumsum(lens) - lens
         ids, ids_ok = _flat_item_ids(item_ids, lens, starts)
-        ints = np.stack([a[:, :T][valid] for a in arrays], axis=1)
+        cells = np.flatnonzero(valid)
+        ints = np.stack([a[:, :T].reshape(-1)[cells] for a in arrays], axis=1)
         active = np.nonzero(lens)[0]
         finite_user = np.ones(len(lens), dtype=bool)
         finite_user[active] = np.logical_and.reduceat(finite, starts[active])
@@ -378,7 +379,9 @@ class NoteBank:
         stay = ~cl
         app_rows = [rows[stay]]
         app_lens = [n[stay]]
-        app_ev = [batch.ev.take(ragged_arange(s[stay], n[stay]))]
+        everyone = bool(stay.all()) and len(act) == int(np.count_nonzero(batch.lens))
+        # (the batch's events are its own arrays: when all of them stay, no copy is taken)
+        app_ev = [batch.ev if everyone else batch.ev.take(ragged_arange(s[stay], n[stay]))]
         users: list[str] = []
         chunks = None
         if cl.any():

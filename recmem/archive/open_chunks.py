@@ -176,13 +176,10 @@ class OpenChunks:
 
     def _grow_slots(self, n: int) -> None:
         old = len(self._ids)
-
-        def grown(a: np.ndarray) -> np.ndarray:
-            out = np.zeros((n, *a.shape[1:]), dtype=a.dtype)
-            out[:old] = a
-            return out
-
-        self._ints, self._k, self._u = grown(self._ints), grown(self._k), grown(self._u)
+        # in place (realloc: a large block is remapped, not copied); nothing holds a view
+        # of these arrays (every read of them is a gather, a copy)
+        for a in (self._ints, self._k, self._u):
+            a.resize((n, *a.shape[1:]), refcheck=False)
         ids = np.empty(n, dtype=object)
         ids[:old] = self._ids
         self._ids = ids

@@ -216,3 +216,35 @@ def test_item_id_rows_act_as_a_list_per_user():
         rows[3]
     with pytest.raises(ValueError):
         ItemIdRows(np.array(["a"], dtype=object), [2])
+
+
+def test_the_arena_grows_and_reuses_freed_slots_and_rows():
+    """Past the first slot and row capacity (4096 events, 1024 users), with users dropped
+    and chunks closing between batches (their rows and slots reused)."""
+    rng = np.random.default_rng(9)
+    c = cfg(8, notes=4)
+    fast, plain = NoteBank(c, K, CH, seed=2), PlainNoteBank(c, K, CH, seed=2)
+    users = [f"u{i}" for i in range(1500)]
+    done = dict.fromkeys(users, 0)
+    for step in range(5):
+        B = len(users)
+        lens = rng.integers(1, 6, B)
+        T = int(lens.max())
+        pos = np.array([done[u] for u in users])[:, None] + np.arange(1, T + 1)[None, :]
+        for u, n in zip(users, lens.tolist()):
+            done[u] += n
+        items = rng.integers(0, 50, (B, T))
+        ids = [[str(i) for i in items[b, : lens[b]]] for b in range(B)]
+        k = rng.normal(size=(B, T, CH, K)).astype(np.float32)
+        q = rng.normal(size=(B, T, CH, K)).astype(np.float32)
+        ts = np.cumsum(rng.integers(0, 9000, (B, T)), axis=1)
+        for bank in (fast, plain):
+            bank.observe_batch(users, items, ids, np.zeros_like(items), ts, pos, lens, k, q)
+        if step == 2:
+            gone = users[::3]
+            for bank in (fast, plain):
+                bank.drop_users(gone)
+            for u in gone:
+                done[u] = 0
+        assert_same(fast, plain, users)
+    assert len(fast._open._ids) > 4096 and len(fast._open.count) > 1024
