@@ -277,10 +277,12 @@ class NoteBank:
             return 0
         T = int(arrays[0].shape[1])
         N = int(lens.sum())
-        valid = np.arange(T)[None, :] < lens[:, None]
+        if int(lens.max()) > T or int(lens.min()) < 0:
+            raise ValueError(f"lengths must be in 0..{T} (the padded arrays' T)")
         # the unit keys and addresses of the batch's events at once (packed: one row per
         # event, user by user)
         if not packed:
+            valid = np.arange(T)[None, :] < lens[:, None]
             k, q = _valid_cells(k, valid), _valid_cells(q, valid)
         k_a = _numpy(k, np.float32)
         q_a = _numpy(q, np.float32)
@@ -297,7 +299,7 @@ class NoteBank:
         u_unit = l2_normalise(q_a[..., self.coords]).astype(PENDING_DTYPE)
         starts = np.cumsum(lens) - lens
         ids, ids_ok = _flat_item_ids(item_ids, lens, starts)
-        cells = np.flatnonzero(valid)
+        cells = ragged_arange(np.arange(len(lens)) * T, lens)  # the valid cells of [B, T]
         ints = np.stack([a[:, :T].reshape(-1)[cells] for a in arrays], axis=1)
         active = np.nonzero(lens)[0]
         finite_user = np.ones(len(lens), dtype=bool)
@@ -368,8 +370,8 @@ class NoteBank:
         if not ok.all():
             act, n, s, rows = act[ok], n[ok], s[ok], rows[ok]
             uids = [u for u, keep in zip(uids, ok.tolist()) if keep]
-        for i in np.nonzero(rows < 0)[0].tolist():
-            rows[i] = oc.add_user(uids[i])
+        new = np.nonzero(rows < 0)[0]
+        rows[new] = oc.add_users([uids[i] for i in new.tolist()])
         if not len(act):
             return [], None, rejected
         cnt = oc.count[rows].astype(np.int64)

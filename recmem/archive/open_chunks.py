@@ -7,7 +7,8 @@ slot table ``slot`` [rows, width] (its events' slots in event order, ``count`` o
 and of ``last`` (the lifetime position of the user's latest event, -1 before the first).
 A user's open chunk never holds ``chunk_events`` events after a write (a full chunk
 closes), so width = chunk_events - 1 (wider only after loading a checkpoint written with
-a larger chunk). Slots and rows freed are reused; both grow by doubling. Per user this
+a larger chunk). Slots and rows freed are reused; both grow by a quarter (the event arrays
+in place, so growing copies nothing and leaves at most a quarter unused). Per user this
 costs 4 * width + 12 bytes of table (136 at the default 32 events per chunk) beside its
 events, instead of a ``PendingEvents`` of seven arrays and a list per user.
 Not thread-safe: the NoteBank calls it under its lock.
@@ -89,18 +90,22 @@ class OpenChunks:
     def __contains__(self, user_id: str) -> bool:
         return user_id in self.row_of
 
-    def add_user(self, user_id: str) -> int:
-        """A row for a new user (empty chunk, last position -1)."""
-        if self._free_rows:
-            row = self._free_rows.pop()
-        else:
-            row = len(self.row_of)
-            if row >= len(self.count):
-                self._grow_rows(max(2 * len(self.count), 1024))
-        self.count[row] = 0
-        self.last[row] = -1
-        self.row_of[user_id] = row
-        return row
+    def add_users(self, user_ids: Sequence[str]) -> np.ndarray:
+        """Rows for new users (distinct, none with a row yet), in order: freed rows first."""
+        k = len(user_ids)
+        reuse = min(k, len(self._free_rows))
+        fresh = len(self.row_of) + len(self._free_rows)  # rows ever handed out
+        rows = np.empty(k, dtype=np.int64)
+        if reuse:
+            rows[:reuse] = self._free_rows[len(self._free_rows) - reuse :][::-1]
+            del self._free_rows[len(self._free_rows) - reuse :]
+        rows[reuse:] = np.arange(fresh, fresh + k - reuse)
+        if k and int(rows.max()) >= len(self.count):
+            self._grow_rows(max(len(self.count) * 5 // 4, int(rows.max()) + 1, 1024))
+        self.count[rows] = 0
+        self.last[rows] = -1
+        self.row_of.update(zip(user_ids, rows.tolist()))
+        return rows
 
     def drop_user(self, user_id: str) -> bool:
         row = self.row_of.pop(user_id, None)
@@ -112,11 +117,10 @@ class OpenChunks:
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.count)
-        self.count = np.concatenate([self.count, np.zeros(n - old, np.int32)])
-        self.last = np.concatenate([self.last, np.full(n - old, -1, np.int64)])
-        slot = np.zeros((n, self.slot.shape[1]), np.int32)
-        slot[:old] = self.slot
-        self.slot = slot
+        # in place, as the event arrays (``_grow_slots``); the new rows are zeros
+        for a in (self.count, self.last, self.slot):
+            a.resize((n, *a.shape[1:]), refcheck=False)
+        self.last[old:] = -1
 
     def _widen(self, width: int) -> None:
         if width > self.slot.shape[1]:
@@ -162,7 +166,7 @@ class OpenChunks:
         need = int((cnt + lengths).max())
         self._widen(need)
         if n > self._n_free:
-            self._grow_slots(max(2 * len(self._ids), n - self._n_free + len(self._ids), 4096))
+            self._grow_slots(max(len(self._ids) * 5 // 4, n - self._n_free + len(self._ids), 4096))
         s = self._free[self._n_free - n : self._n_free].astype(np.int64)
         self._n_free -= n
         self._ints[s] = ev.ints
@@ -216,10 +220,9 @@ class OpenChunks:
     def put(self, items: Sequence[tuple[str, PendingEvents, int]]) -> None:
         """Replace the open chunks and last positions of (user, events, last position)
         (rows made for new users, in order)."""
-        rows = np.array(
-            [self.row_of[u] if u in self.row_of else self.add_user(u) for u, _, _ in items],
-            dtype=np.int64,
-        )
+        rows = np.array([self.row_of.get(u, -1) for u, _, _ in items], dtype=np.int64)
+        new = np.nonzero(rows < 0)[0]
+        rows[new] = self.add_users([items[i][0] for i in new.tolist()])
         if not len(rows):
             return
         self.clear(rows)
