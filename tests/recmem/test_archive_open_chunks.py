@@ -114,7 +114,7 @@ def observe(bank: NoteBank, users, d, packed: bool, flat_ids: bool) -> int:
     )
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(16))
 def test_vectorised_write_path_equals_the_plain_reference(seed, caplog):
     rng = np.random.default_rng(1000 + seed)
     chunk = int(rng.choice([1, 2, 3, 5, 8]))
