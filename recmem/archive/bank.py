@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources
+from recmem.archive.open_chunks import INT_FIELDS, EventColumns, OpenChunks, ragged_arange
 from recmem.archive.persist import pack_users, unpack_users
 from recmem.archive.routing import overlap_rank, vote_rank
 from recmem.archive.selection import (
@@ -22,7 +23,13 @@ from recmem.archive.selection import (
     select_spans_many,
     span_addresses_many,
 )
-from recmem.archive.store import PENDING_DTYPE, Note, PendingEvents, UserArchive
+from recmem.archive.store import (
+    PENDING_DTYPE,
+    ItemIdRows,
+    Note,
+    PendingEvents,
+    UserArchive,
+)
 from recmem.config import ArchiveConfig
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,71 @@ def _valid_cells(x: Any, valid: np.ndarray) -> Any:
     if hasattr(x, "detach"):
         return x.reshape(B, T, -1)[torch.as_tensor(valid, device=x.device)]
     return np.asarray(x).reshape(B, T, -1)[valid]
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    """A 1-d object array of ``values`` (never split into a second axis)."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def _flat_item_ids(
+    item_ids: Sequence[Sequence[str]], lens: np.ndarray, starts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's item ids as one object array of str, event by event (None for a user
+    whose count differs from its events'), and whether each user's count matches."""
+    if isinstance(item_ids, ItemIdRows):
+        flat, id_lens = item_ids.flat, item_ids.lengths
+    else:
+        id_lens = np.fromiter((len(x) for x in item_ids), dtype=np.int64, count=len(lens))
+        flat = _objects([str(i) for ids in item_ids for i in ids])
+    ok = id_lens == lens
+    if ok.all():
+        return flat, ok
+    out = np.empty(int(lens.sum()), dtype=object)
+    out[ragged_arange(starts[ok], lens[ok])] = flat[
+        ragged_arange((np.cumsum(id_lens) - id_lens)[ok], lens[ok])
+    ]
+    return out, ok
+
+
+def _distinct_runs(user_ids: Sequence[str], lens: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive row ranges of a batch in which no user with events appears twice."""
+    act = np.nonzero(lens)[0].tolist()
+    if len({user_ids[b] for b in act}) == len(act):
+        return [(0, len(lens))]
+    parts: list[tuple[int, int]] = []
+    start, seen = 0, set[str]()
+    for b in act:
+        if user_ids[b] in seen:
+            parts.append((start, b))
+            start, seen = b, set()
+        seen.add(user_ids[b])
+    parts.append((start, len(lens)))
+    return parts
+
+
+@dataclass
+class _Batch:
+    """A batch prepared for buffering: users, events per user and where each user's start
+    (``ev``: the valid events, user by user, unit keys and addresses), whether each user's
+    item id count matches and whether its keys and queries are finite."""
+
+    user_ids: Sequence[str]
+    lens: np.ndarray
+    starts: np.ndarray
+    ev: EventColumns
+    ids_ok: np.ndarray
+    finite: np.ndarray
+
+    def rows(self, b0: int, b1: int) -> _Batch:
+        e0 = int(self.starts[b0])
+        e1 = int(self.starts[b1 - 1] + self.lens[b1 - 1])
+        return _Batch(
+            self.user_ids[b0:b1], self.lens[b0:b1], self.starts[b0:b1] - e0,
+            self.ev.take(np.arange(e0, e1)), self.ids_ok[b0:b1], self.finite[b0:b1],
+        )  # fmt: skip
 
 
 def check_archive_config(cfg: ArchiveConfig) -> None:
@@ -105,7 +177,12 @@ class NoteBank:
                 cfg.notes_per_user, n_channels, GPU_MAX_K,
             )  # fmt: skip
             self._gpu = None
+        self._open = OpenChunks(cfg.chunk_events, n_channels, key_dim, len(self.coords))
+        """Every user with archive state has a row here: open chunk and last position."""
+        self._no_pending = PendingEvents.empty(n_channels, key_dim, len(self.coords))
         self._users: dict[str, UserArchive] = {}
+        """Notes and their count of the users with notes (``pending`` and
+        ``last_position`` unused: ``_open`` has them)."""
         self._indexes: dict[str, UserAddressIndex] = {}
         self._lock = threading.RLock()
 
@@ -153,82 +230,23 @@ class NoteBank:
             raise ValueError("items, item_ids, actions, ts_ms and positions differ in length")
         if n == 0:
             return 0
-        new = PendingEvents(
-            items_a,
-            ids,
-            ev[0],
-            ev[1],
-            ev[2],
+        new = EventColumns(
+            np.stack([items_a, *ev], axis=1),
+            _objects(ids),
             l2_normalise(self._channels(k, n, "keys", self.key_dim)).astype(PENDING_DTYPE),
             l2_normalise(self.address(self._channels(q, n, "queries", self.query_dim))).astype(
                 PENDING_DTYPE
             ),
         )
-        return self._append(user_id, new)
-
-    def _append(self, user_id: str, new: PendingEvents) -> int:
-        """Buffer prepared events (unit keys and addresses) and close full chunks."""
+        one = np.array([n], dtype=np.int64)
+        batch = _Batch(
+            [user_id], one, np.zeros(1, np.int64), new, np.ones(1, bool), np.ones(1, bool)
+        )
         with self._lock:
-            return self._write(self._buffer(user_id, new))
-
-    def _buffer(self, user_id: str, new: PendingEvents) -> list[tuple[str, PendingEvents]]:
-        """Buffer one user's prepared events; returns the chunks that closed (the caller
-        turns them into notes with ``_write``). Checks first: on ValueError nothing changed."""
-        ua = self._users.get(user_id)
-        last = ua.last_position if ua is not None else -1
-        pos = new.positions
-        if len(pos) and (pos[0] <= last or (len(pos) > 1 and bool((pos[1:] <= pos[:-1]).any()))):
-            raise ValueError(
-                f"user {user_id!r}: positions must increase (last seen {last}, "
-                f"got {new.positions[:4].tolist()}...)"
-            )
-        if ua is None:
-            ua = UserArchive(PendingEvents.empty(self.n_channels, self.key_dim, len(self.coords)))
-            self._users[user_id] = ua
-        ua.pending.append(new)
-        ua.last_position = int(new.positions[-1])
-        closed = []
-        while len(ua.pending) >= self.cfg.chunk_events:
-            closed.append((user_id, ua.pending.take(self.cfg.chunk_events)))
-        return closed
-
-    def _write(self, closed: list[tuple[str, PendingEvents]]) -> int:
-        """Notes of closed chunks (several users', each user's in order): distinctiveness,
-        spans and addresses of all of them at once, then each user's notes stored and
-        indexed. Returns the number of notes written."""
-        if not closed:
-            return 0
-        cfg = self.cfg
-        chunks = [c for _, c in closed]
-        d = distinctiveness(np.stack([c.k for c in chunks]))  # [m, n, C_ch]
-        spans = select_spans_many(
-            d.sum(axis=2), np.stack([c.ts_ms for c in chunks]), window=cfg.window,
-            n_spans=cfg.spans_per_chunk, max_span=cfg.max_span, gap_ms=cfg.session_gap_s * 1000.0,
-        )  # fmt: skip
-        where = np.array([(i, a, b) for i, sp in enumerate(spans) for a, b in sp], np.int64)
-        if not len(where):
-            return 0
-        u = np.stack([c.u for c in chunks])
-        addresses = span_addresses_many(d, u, where[:, 0], where[:, 1], where[:, 2])
-        written: dict[str, list[Note]] = {}
-        for (i, start, end), rho in zip(where.tolist(), addresses):
-            user_id, chunk = closed[i]
-            ua = self._users[user_id]
-            written.setdefault(user_id, []).append(
-                Note(
-                    serial=ua.n_written,
-                    items=chunk.items[start:end].copy(),
-                    item_ids=tuple(chunk.item_ids[start:end]),
-                    actions=chunk.actions[start:end].copy(),
-                    ts_ms=chunk.ts_ms[start:end].copy(),
-                    positions=chunk.positions[start:end].copy(),
-                    addresses=rho,
-                )
-            )
-            ua.n_written += 1
-        for user_id, notes in written.items():
-            self._store(user_id, self._users[user_id], notes)
-        return len(where)
+            users, chunks, rejected = self._buffer_batch(batch)
+            if rejected:
+                raise ValueError(rejected[0][1])
+            return self._write(users, chunks)
 
     def observe_batch(
         self,
@@ -247,9 +265,10 @@ class NoteBank:
         """``observe`` for a right-padded batch: [B, T] event arrays, ``lengths`` [B],
         k, q [B, T, L, H, K] (as the model's advance returns them; moved off the device
         once), or with ``packed`` [N, L, H, K], one row per valid event, user by user (as
-        ``advance_packed`` returns them). ``item_ids[b]`` lists user b's valid events only.
-        A user whose events are rejected (see ``observe``) is skipped with a warning; the
-        others go on. Returns notes written."""
+        ``advance_packed`` returns them). ``item_ids[b]`` lists user b's valid events only
+        (an ``ItemIdRows`` holds them all in one array). A user whose events are rejected
+        (see ``observe``) is skipped with a warning; the others go on. Returns notes
+        written."""
         arrays = [_numpy(x, np.int64) for x in (items, actions, ts_ms, positions)]
         lens = _numpy(lengths, np.int64).reshape(-1)
         if len(user_ids) != len(lens) or len(item_ids) != len(lens):
@@ -258,10 +277,12 @@ class NoteBank:
             return 0
         T = int(arrays[0].shape[1])
         N = int(lens.sum())
-        valid = np.arange(T)[None, :] < lens[:, None]
+        if int(lens.max()) > T or int(lens.min()) < 0:
+            raise ValueError(f"lengths must be in 0..{T} (the padded arrays' T)")
         # the unit keys and addresses of the batch's events at once (packed: one row per
-        # event, user by user), then one slice per user
+        # event, user by user)
         if not packed:
+            valid = np.arange(T)[None, :] < lens[:, None]
             k, q = _valid_cells(k, valid), _valid_cells(q, valid)
         k_a = _numpy(k, np.float32)
         q_a = _numpy(q, np.float32)
@@ -276,29 +297,167 @@ class NoteBank:
         finite = np.isfinite(k_a).all(axis=(1, 2)) & np.isfinite(q_a).all(axis=(1, 2))
         k_unit = l2_normalise(k_a).astype(PENDING_DTYPE)
         u_unit = l2_normalise(q_a[..., self.coords]).astype(PENDING_DTYPE)
-        it, ac, ts, po = arrays
         starts = np.cumsum(lens) - lens
-        closed: list[tuple[str, PendingEvents]] = []
+        ids, ids_ok = _flat_item_ids(item_ids, lens, starts)
+        cells = ragged_arange(np.arange(len(lens)) * T, lens)  # the valid cells of [B, T]
+        ints = np.stack([a[:, :T].reshape(-1)[cells] for a in arrays], axis=1)
+        active = np.nonzero(lens)[0]
+        finite_user = np.ones(len(lens), dtype=bool)
+        finite_user[active] = np.logical_and.reduceat(finite, starts[active])
+        batch = _Batch(
+            user_ids, lens, starts, EventColumns(ints, ids, k_unit, u_unit), ids_ok, finite_user
+        )
         with self._lock:
-            for b, uid in enumerate(user_ids):
-                n, s0 = int(lens[b]), int(starts[b])
-                if not n:
-                    continue
-                try:
-                    if len(item_ids[b]) != n:
-                        raise ValueError("item_ids differ in length from the user's events")
-                    if not finite[s0 : s0 + n].all():
-                        raise ValueError("keys or queries have non-finite values")
-                    new = PendingEvents(
-                        it[b, :n].copy(), [str(i) for i in item_ids[b]], ac[b, :n].copy(),
-                        ts[b, :n].copy(), po[b, :n].copy(), k_unit[s0 : s0 + n],
-                        u_unit[s0 : s0 + n],
-                    )  # fmt: skip
-                    closed += self._buffer(uid, new)
-                except ValueError as e:
-                    # One user's inconsistent events must not stop the others' (nor ingest).
-                    log.warning("NoteBank: skipped %d events of user %r: %s", n, uid, e)
-            return self._write(closed)
+            users, chunks, rejected = self._buffer_batch(batch)
+            for b, why in rejected:
+                # One user's inconsistent events must not stop the others' (nor ingest).
+                log.warning(
+                    "NoteBank: skipped %d events of user %r: %s", int(lens[b]), user_ids[b], why
+                )
+            return self._write(users, chunks)
+
+    def _buffer_batch(
+        self, batch: _Batch
+    ) -> tuple[list[str], EventColumns | None, list[tuple[int, str]]]:
+        """Buffer a prepared batch; returns the chunks that closed (the owner of each,
+        and their events chunk after chunk) and the rejected users (batch row, reason).
+        A batch naming a user twice runs as consecutive parts that do not."""
+        parts = _distinct_runs(batch.user_ids, batch.lens)
+        if len(parts) == 1:
+            return self._buffer_distinct(batch, 0)
+        users: list[str] = []
+        chunks: list[EventColumns] = []
+        rejected: list[tuple[int, str]] = []
+        for b0, b1 in parts:
+            u, c, r = self._buffer_distinct(batch.rows(b0, b1), b0)
+            users += u
+            chunks += [c] if c is not None else []
+            rejected += r
+        return users, EventColumns.concat(chunks) if chunks else None, rejected
+
+    def _buffer_distinct(
+        self, batch: _Batch, b_offset: int
+    ) -> tuple[list[str], EventColumns | None, list[tuple[int, str]]]:
+        """``_buffer_batch`` of a batch that names each user once, with numpy over the whole
+        batch: checks, one append of every user's events whose chunk stays open, and the
+        closing users' chunks cut from their buffered and new events together."""
+        oc, C = self._open, self.cfg.chunk_events
+        act = np.nonzero(batch.lens)[0]
+        uids = [batch.user_ids[b] for b in act.tolist()]
+        rows = np.array([oc.row_of.get(u, -1) for u in uids], dtype=np.int64)
+        n, s = batch.lens[act], batch.starts[act]
+        pos = batch.ev.ints[:, 3]
+        last = np.where(rows >= 0, oc.last[np.maximum(rows, 0)] if len(oc.last) else -1, -1)
+        viol = np.zeros(len(pos), dtype=bool)
+        viol[1:] = pos[1:] <= pos[:-1]
+        viol[s] = pos[s] <= last
+        bad_pos = np.logical_or.reduceat(viol, s) if len(act) else viol[:0]
+        bad_ids, bad_keys = ~batch.ids_ok[act], ~batch.finite[act]
+        rejected = []
+        for i in np.nonzero(bad_ids | bad_keys | bad_pos)[0].tolist():
+            if bad_ids[i]:
+                why = "item_ids differ in length from the user's events"
+            elif bad_keys[i]:
+                why = "keys or queries have non-finite values"
+            else:
+                got = pos[s[i] : s[i] + n[i]][:4].tolist()
+                why = (
+                    f"user {uids[i]!r}: positions must increase (last seen {int(last[i])}, "
+                    f"got {got}...)"
+                )
+            rejected.append((int(act[i]) + b_offset, why))
+        ok = ~(bad_ids | bad_keys | bad_pos)
+        if not ok.all():
+            act, n, s, rows = act[ok], n[ok], s[ok], rows[ok]
+            uids = [u for u, keep in zip(uids, ok.tolist()) if keep]
+        new = np.nonzero(rows < 0)[0]
+        rows[new] = oc.add_users([uids[i] for i in new.tolist()])
+        if not len(act):
+            return [], None, rejected
+        cnt = oc.count[rows].astype(np.int64)
+        tot = cnt + n
+        m = tot // C
+        cl = m > 0
+        stay = ~cl
+        app_rows = [rows[stay]]
+        app_lens = [n[stay]]
+        everyone = bool(stay.all()) and len(act) == int(np.count_nonzero(batch.lens))
+        # (the batch's events are its own arrays: when all of them stay, no copy is taken)
+        app_ev = [batch.ev if everyone else batch.ev.take(ragged_arange(s[stay], n[stay]))]
+        users: list[str] = []
+        chunks = None
+        if cl.any():
+            # each closing user's buffered events, then its new ones; the first m * C of
+            # them close, the rest is the new open chunk
+            rc, cc, nc, tc, mc = rows[cl], cnt[cl], n[cl], tot[cl], m[cl]
+            old = oc.gather(rc)
+            src = EventColumns.concat([old, batch.ev.take(ragged_arange(s[cl], nc))])
+            out_off = np.cumsum(tc) - tc
+            seq = np.empty(int(tc.sum()), dtype=np.int64)
+            seq[ragged_arange(out_off, cc)] = ragged_arange(np.cumsum(cc) - cc, cc)
+            seq[ragged_arange(out_off + cc, nc)] = len(old) + ragged_arange(np.cumsum(nc) - nc, nc)
+            chunks = src.take(seq[ragged_arange(out_off, mc * C)])
+            rest = tc - mc * C
+            oc.clear(rc)
+            app_rows.append(rc)
+            app_lens.append(rest)
+            app_ev.append(src.take(seq[ragged_arange(out_off + mc * C, rest)]))
+            users = [
+                u for u, k in zip([u for u, c in zip(uids, cl.tolist()) if c], mc.tolist())
+                for _ in range(k)
+            ]  # fmt: skip
+        oc.append(np.concatenate(app_rows), np.concatenate(app_lens), EventColumns.concat(app_ev))
+        oc.last[rows] = pos[s + n - 1]
+        return users, chunks, rejected
+
+    def _archive(self, user_id: str) -> UserArchive:
+        """The user's notes and their count (made with the user's first note)."""
+        ua = self._users.get(user_id)
+        if ua is None:
+            ua = self._users[user_id] = UserArchive(self._no_pending)
+        return ua
+
+    def _write(self, users: list[str], chunks: EventColumns | None) -> int:
+        """Notes of closed chunks (``users[i]`` owns chunk i, events ``chunk_events * i``
+        on; several users', each user's in order): distinctiveness, spans and addresses of
+        all of them at once, then each user's notes stored and indexed. Returns the number
+        of notes written."""
+        if not users or chunks is None:
+            return 0
+        cfg = self.cfg
+        m, C = len(users), cfg.chunk_events
+        ints = chunks.ints.reshape(m, C, 4)
+        ids = chunks.ids.reshape(m, C)
+        d = distinctiveness(chunks.k.reshape(m, C, *chunks.k.shape[1:]))  # [m, n, C_ch]
+        spans = select_spans_many(
+            d.sum(axis=2), ints[:, :, 2], window=cfg.window,
+            n_spans=cfg.spans_per_chunk, max_span=cfg.max_span, gap_ms=cfg.session_gap_s * 1000.0,
+        )  # fmt: skip
+        where = np.array([(i, a, b) for i, sp in enumerate(spans) for a, b in sp], np.int64)
+        if not len(where):
+            return 0
+        u = chunks.u.reshape(m, C, *chunks.u.shape[1:])
+        addresses = span_addresses_many(d, u, where[:, 0], where[:, 1], where[:, 2])
+        written: dict[str, list[Note]] = {}
+        for (i, start, end), rho in zip(where.tolist(), addresses):
+            user_id = users[i]
+            ua = self._archive(user_id)
+            ev = ints[i, start:end]
+            written.setdefault(user_id, []).append(
+                Note(
+                    serial=ua.n_written,
+                    items=ev[:, 0].copy(),
+                    item_ids=tuple(ids[i, start:end].tolist()),
+                    actions=ev[:, 1].copy(),
+                    ts_ms=ev[:, 2].copy(),
+                    positions=ev[:, 3].copy(),
+                    addresses=rho,
+                )
+            )
+            ua.n_written += 1
+        for user_id, notes in written.items():
+            self._store(user_id, self._users[user_id], notes)
+        return len(where)
 
     def _store(self, user_id: str, ua: UserArchive, written: list[Note]) -> None:
         ua.notes.extend(written)
@@ -446,7 +605,7 @@ class NoteBank:
     def users(self) -> list[str]:
         """Users with archive state (notes or buffered events)."""
         with self._lock:
-            return list(self._users)
+            return list(self._open.row_of)
 
     def notes(self, user_id: str) -> list[Note]:
         """The user's notes, chronological (oldest first)."""
@@ -462,8 +621,8 @@ class NoteBank:
     def pending_count(self, user_id: str) -> int:
         """Events buffered in the user's open chunk."""
         with self._lock:
-            ua = self._users.get(user_id)
-            return len(ua.pending) if ua is not None else 0
+            row = self._open.row_of.get(user_id)
+            return int(self._open.count[row]) if row is not None else 0
 
     # ---- persistence ------------------------------------------------------------------
 
@@ -471,8 +630,21 @@ class NoteBank:
         """The archive state of ``user_ids`` (notes, addresses, open chunks) as flat numpy
         arrays; users without archive state are left out."""
         with self._lock:
-            users = [(u, self._users[u]) for u in dict.fromkeys(user_ids) if u in self._users]
-            return pack_users(users, self.coords, self.key_dim, self.n_channels)
+            return pack_users(
+                self._user_archives(user_ids), self.coords, self.key_dim, self.n_channels
+            )
+
+    def _user_archives(self, user_ids: Iterable[str]) -> list[tuple[str, UserArchive]]:
+        """Whole ``UserArchive`` copies (open chunk and last position included) of the users
+        of ``user_ids`` with archive state, each once."""
+        oc = self._open
+        users = [u for u in dict.fromkeys(user_ids) if u in oc.row_of]
+        out = []
+        for u, pending in zip(users, oc.pending(users)):
+            ua = self._users.get(u)
+            notes, n_written = (ua.notes, ua.n_written) if ua is not None else ([], 0)
+            out.append((u, UserArchive(pending, notes, n_written, int(oc.last[oc.row_of[u]]))))
+        return out
 
     def load_users(self, state: Mapping[str, np.ndarray], replace: Iterable[str] = ()) -> int:
         """Replace the archive of every user in ``state`` (from ``state_for_users``) and
@@ -484,25 +656,119 @@ class NoteBank:
             present = {uid for uid, _ in users}
             for uid in replace:
                 if uid not in present:
-                    self._users.pop(uid, None)
-                    self._indexes.pop(uid, None)
-            for uid, ua in users:
-                if len(ua.notes) > self.cfg.notes_per_user:
-                    del ua.notes[: len(ua.notes) - self.cfg.notes_per_user]
-                self._users[uid] = ua
-                index = self._new_index()
-                if ua.notes:
-                    index.rebuild(ua.addresses())
-                self._indexes[uid] = index
+                    self._forget(uid)
+            self._install(users)
         log.debug("NoteBank: loaded %d users", len(users))
         return len(users)
 
+    def _install(self, users: list[tuple[str, UserArchive]]) -> None:
+        """Take over loaded users (notes capped, indexes rebuilt)."""
+        self._open.put([(uid, ua.pending, ua.last_position) for uid, ua in users])
+        for uid, ua in users:
+            ua.pending, ua.last_position = self._no_pending, -1
+            if len(ua.notes) > self.cfg.notes_per_user:
+                del ua.notes[: len(ua.notes) - self.cfg.notes_per_user]
+            self._users[uid] = ua
+            index = self._new_index()
+            if ua.notes:
+                index.rebuild(ua.addresses())
+            self._indexes[uid] = index
+
+    def _forget(self, user_id: str) -> bool:
+        self._users.pop(user_id, None)
+        self._indexes.pop(user_id, None)
+        return self._open.drop_user(user_id)
+
     def drop_users(self, user_ids: Iterable[str]) -> int:
         """Forget these users' archives (e.g. after their partition moved away)."""
-        dropped = 0
         with self._lock:
-            for uid in user_ids:
-                if self._users.pop(uid, None) is not None:
-                    dropped += 1
-                self._indexes.pop(uid, None)
-        return dropped
+            return sum(self._forget(uid) for uid in user_ids)
+
+
+class PlainNoteBank(NoteBank):
+    """The plain reference of NoteBank's write path and open chunks: one ``PendingEvents``
+    per user in its ``UserArchive`` (``_users`` holds every user with archive state),
+    buffered user by user (appending arrays, closing chunks one at a time). Same results
+    as NoteBank (tests/recmem/test_archive_open_chunks.py compares them on random
+    batches); kept for the tests and as the readable form."""
+
+    def _buffer_batch(
+        self, batch: _Batch
+    ) -> tuple[list[str], EventColumns | None, list[tuple[int, str]]]:
+        closed: list[tuple[str, PendingEvents]] = []
+        rejected: list[tuple[int, str]] = []
+        ev = batch.ev
+        for b, uid in enumerate(batch.user_ids):
+            n, s0 = int(batch.lens[b]), int(batch.starts[b])
+            if not n:
+                continue
+            try:
+                if not batch.ids_ok[b]:
+                    raise ValueError("item_ids differ in length from the user's events")
+                if not batch.finite[b]:
+                    raise ValueError("keys or queries have non-finite values")
+                ints = ev.ints[s0 : s0 + n]
+                new = PendingEvents(
+                    ints[:, 0].copy(), ev.ids[s0 : s0 + n].tolist(), ints[:, 1].copy(),
+                    ints[:, 2].copy(), ints[:, 3].copy(), ev.k[s0 : s0 + n], ev.u[s0 : s0 + n],
+                )  # fmt: skip
+                closed += self._buffer(uid, new)
+            except ValueError as e:
+                rejected.append((b, str(e)))
+        if not closed:
+            return [], None, rejected
+        chunks = [c for _, c in closed]
+        stacked = EventColumns(
+            np.concatenate([np.stack([getattr(c, f) for f in INT_FIELDS], axis=1) for c in chunks]),
+            _objects([i for c in chunks for i in c.item_ids]),
+            np.concatenate([c.k for c in chunks]),
+            np.concatenate([c.u for c in chunks]),
+        )
+        return [u for u, _ in closed], stacked, rejected
+
+    def _buffer(self, user_id: str, new: PendingEvents) -> list[tuple[str, PendingEvents]]:
+        """Buffer one user's prepared events; returns the chunks that closed. Checks
+        first: on ValueError nothing changed."""
+        ua = self._users.get(user_id)
+        last = ua.last_position if ua is not None else -1
+        pos = new.positions
+        if len(pos) and (pos[0] <= last or (len(pos) > 1 and bool((pos[1:] <= pos[:-1]).any()))):
+            raise ValueError(
+                f"user {user_id!r}: positions must increase (last seen {last}, "
+                f"got {new.positions[:4].tolist()}...)"
+            )
+        if ua is None:
+            ua = UserArchive(PendingEvents.empty(self.n_channels, self.key_dim, len(self.coords)))
+            self._users[user_id] = ua
+        ua.pending.append(new)
+        ua.last_position = int(new.positions[-1])
+        closed = []
+        while len(ua.pending) >= self.cfg.chunk_events:
+            closed.append((user_id, ua.pending.take(self.cfg.chunk_events)))
+        return closed
+
+    def users(self) -> list[str]:
+        with self._lock:
+            return list(self._users)
+
+    def pending_count(self, user_id: str) -> int:
+        with self._lock:
+            ua = self._users.get(user_id)
+            return len(ua.pending) if ua is not None else 0
+
+    def _user_archives(self, user_ids: Iterable[str]) -> list[tuple[str, UserArchive]]:
+        return [(u, self._users[u]) for u in dict.fromkeys(user_ids) if u in self._users]
+
+    def _install(self, users: list[tuple[str, UserArchive]]) -> None:
+        for uid, ua in users:
+            if len(ua.notes) > self.cfg.notes_per_user:
+                del ua.notes[: len(ua.notes) - self.cfg.notes_per_user]
+            self._users[uid] = ua
+            index = self._new_index()
+            if ua.notes:
+                index.rebuild(ua.addresses())
+            self._indexes[uid] = index
+
+    def _forget(self, user_id: str) -> bool:
+        self._indexes.pop(user_id, None)
+        return self._users.pop(user_id, None) is not None

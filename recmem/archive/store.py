@@ -3,7 +3,9 @@ buffered events, and the helpers that hand notes to replay."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast, overload
 
 import numpy as np
 
@@ -143,3 +145,35 @@ class UserArchive:
     def addresses(self) -> np.ndarray:
         """[n_notes, C_ch, d_rho] addresses of the notes, chronological."""
         return np.stack([n.addresses for n in self.notes])
+
+
+class ItemIdRows(Sequence[Sequence[str]]):
+    """The item ids of a batch's users as one flat object array of ``str`` (user by user,
+    valid events only) with each user's count: ``item_ids`` for ``NoteBank.observe_batch``
+    without a list per user (row b is a view of ``flat``)."""
+
+    def __init__(self, flat: np.ndarray, lengths: Any) -> None:
+        self.flat = np.asarray(flat, dtype=object)
+        self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        self.ends = np.cumsum(self.lengths)
+        if self.flat.ndim != 1 or int(self.lengths.sum()) != len(self.flat):
+            raise ValueError("ItemIdRows: lengths do not add up to the flat ids")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @overload
+    def __getitem__(self, b: int) -> Sequence[str]: ...
+
+    @overload
+    def __getitem__(self, b: slice) -> Sequence[Sequence[str]]: ...
+
+    def __getitem__(self, b: int | slice) -> Sequence[str] | Sequence[Sequence[str]]:
+        if isinstance(b, slice):
+            return [self[i] for i in range(*b.indices(len(self)))]
+        n = len(self)
+        if not -n <= b < n:
+            raise IndexError(b)
+        b %= n
+        end = int(self.ends[b])
+        return cast(Sequence[str], self.flat[end - int(self.lengths[b]) : end])

@@ -29,7 +29,7 @@ import torch._dynamo
 
 from models.recommender import AdvanceResult, MemoryRecommender
 from models.state import MemoryState
-from recmem.archive import NoteBank
+from recmem.archive import ItemIdRows, NoteBank
 from recmem.config import Config
 from recmem.engine.dedupe import SeenEvents
 from recmem.engine.tails import RecentEvents
@@ -367,18 +367,20 @@ class Engine:
         piece.result = None  # the kq tensors are large; nothing needs them any more
         self.seconds["archive"] += time.perf_counter() - t0
 
-    def _item_ids(self, items: np.ndarray, lengths: np.ndarray) -> list[list[str]]:
+    def _item_ids(self, items: np.ndarray, lengths: np.ndarray) -> ItemIdRows:
         """The raw item id of each user's valid events in right-padded ``items`` [B, T]
-        (an out-of-vocabulary bucket as ``<oov:j>``)."""
+        (an out-of-vocabulary bucket as ``<oov:j>``), as one array with the counts."""
         if self._names is None:
-            self._names = np.array(self.vocab.item_ids, dtype=object)
+            self._names = np.empty(self.vocab.n_items, dtype=object)
+            self._names[:] = [str(i) for i in self.vocab.item_ids]
         n = self.vocab.n_items
         flat = items[np.arange(items.shape[1])[None, :] < lengths[:, None]]
         known = flat < n
         names = np.empty(len(flat), dtype=object)
         names[known] = self._names[flat[known]]
-        names[~known] = [f"<oov:{i - n}>" for i in flat[~known].tolist()]
-        return [part.tolist() for part in np.split(names, np.cumsum(lengths)[:-1])]
+        if not known.all():
+            names[~known] = [f"<oov:{i - n}>" for i in flat[~known].tolist()]
+        return ItemIdRows(names, lengths)
 
     def _record(self, user: str, partition: int) -> None:
         old = self.partition_of.get(user)
