@@ -664,8 +664,13 @@ class NoteBank:
     def _install(self, users: list[tuple[str, UserArchive]]) -> None:
         """Take over loaded users (notes capped, indexes rebuilt)."""
         self._open.put([(uid, ua.pending, ua.last_position) for uid, ua in users])
-        for uid, ua in users:
+        for _, ua in users:
             ua.pending, ua.last_position = self._no_pending, -1
+        self._take_over(users)
+
+    def _take_over(self, users: list[tuple[str, UserArchive]]) -> None:
+        """Keep loaded users' archives (notes capped) and build their indexes."""
+        for uid, ua in users:
             if len(ua.notes) > self.cfg.notes_per_user:
                 del ua.notes[: len(ua.notes) - self.cfg.notes_per_user]
             self._users[uid] = ua
@@ -760,14 +765,7 @@ class PlainNoteBank(NoteBank):
         return [(u, self._users[u]) for u in dict.fromkeys(user_ids) if u in self._users]
 
     def _install(self, users: list[tuple[str, UserArchive]]) -> None:
-        for uid, ua in users:
-            if len(ua.notes) > self.cfg.notes_per_user:
-                del ua.notes[: len(ua.notes) - self.cfg.notes_per_user]
-            self._users[uid] = ua
-            index = self._new_index()
-            if ua.notes:
-                index.rebuild(ua.addresses())
-            self._indexes[uid] = index
+        self._take_over(users)  # the open chunks stay in each UserArchive
 
     def _forget(self, user_id: str) -> bool:
         self._indexes.pop(user_id, None)

@@ -35,6 +35,21 @@ _CELLS = 1 << 20
 """Event x key comparisons per slice of the membership test (bounds its temporaries)."""
 
 
+def seen_lengths(
+    arrays: dict[str, np.ndarray], user_ids: Sequence[str], window: int
+) -> np.ndarray | None:
+    """A checkpoint's keys per user (``seen.lengths``), checked against the users restored;
+    None when it holds none or the policy is off."""
+    lengths = arrays.get(PREFIX + "lengths")
+    if lengths is None or window == 0:
+        return None
+    if len(lengths) != len(user_ids):
+        raise ValueError(
+            f"checkpoint has seen keys of {len(lengths)} users, {len(user_ids)} restored"
+        )
+    return lengths
+
+
 class SeenEvents:
     """Each user's last ``window`` accepted event keys (0: the policy is off).
 
@@ -180,13 +195,9 @@ class SeenEvents:
 
     def load(self, user_ids: list[str], arrays: dict[str, np.ndarray]) -> None:
         self.drop(user_ids)
-        lengths = arrays.get(PREFIX + "lengths")
-        if lengths is None or self.window == 0:
+        lengths = seen_lengths(arrays, user_ids, self.window)
+        if lengths is None:
             return
-        if len(lengths) != len(user_ids):
-            raise ValueError(
-                f"checkpoint has seen keys of {len(lengths)} users, {len(user_ids)} restored"
-            )
         keys = arrays[PREFIX + "keys"]
         ends = np.cumsum(lengths)
         has = np.flatnonzero(np.asarray(lengths) > 0)
@@ -253,13 +264,9 @@ class SeenEventsReference:
 
     def load(self, user_ids: list[str], arrays: dict[str, np.ndarray]) -> None:
         self.drop(user_ids)
-        lengths = arrays.get(PREFIX + "lengths")
-        if lengths is None or self.window == 0:
+        lengths = seen_lengths(arrays, user_ids, self.window)
+        if lengths is None:
             return
-        if len(lengths) != len(user_ids):
-            raise ValueError(
-                f"checkpoint has seen keys of {len(lengths)} users, {len(user_ids)} restored"
-            )
         keys = arrays[PREFIX + "keys"]
         ends = np.cumsum(lengths)
         for user, s, e in zip(user_ids, ends - lengths, ends):

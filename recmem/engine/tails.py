@@ -32,6 +32,21 @@ PREFIX = "recent."
 _EVENT_FIELDS = ("items", "actions", "ts_ms")
 
 
+def export_tails(
+    tails: list[UserEvents], queries: list[np.ndarray | None]
+) -> dict[str, np.ndarray]:
+    """The checkpoint arrays (``recent.*``) of users' tails, and the q~ of those with a
+    tail (``recent.queries`` only when every one of them has its q~)."""
+    out = {PREFIX + "lengths": np.array([len(t) for t in tails], dtype=np.int64)}
+    joined = UserEvents.concat(tails)
+    out[PREFIX + "items"] = joined.items
+    out[PREFIX + "actions"] = joined.actions
+    out[PREFIX + "ts_ms"] = joined.ts_ms
+    if queries and all(q is not None for q in queries):
+        out[PREFIX + "queries"] = np.concatenate(queries).astype(np.float32)  # type: ignore[arg-type]
+    return out
+
+
 class RecentEvents:
     """The last ``keep`` events of every user with their q~ [n, L, H, K] (float32, host).
 
@@ -210,14 +225,7 @@ class RecentEvents:
         """``export`` user by user (some users are in the plain form)."""
         tails = [self.recent(u, 0) for u in user_ids]  # [-0:]: all of them
         queries = [self.recent_queries(u, 0) for u, t in zip(user_ids, tails) if len(t)]
-        out = {PREFIX + "lengths": np.array([len(t) for t in tails], dtype=np.int64)}
-        joined = UserEvents.concat(tails)
-        out[PREFIX + "items"] = joined.items
-        out[PREFIX + "actions"] = joined.actions
-        out[PREFIX + "ts_ms"] = joined.ts_ms
-        if queries and all(q is not None for q in queries):
-            out[PREFIX + "queries"] = np.concatenate(queries).astype(np.float32)  # type: ignore[arg-type]
-        return out
+        return export_tails(tails, queries)
 
     def load(self, user_ids: list[str], arrays: dict[str, np.ndarray]) -> None:
         """Install the tails ``export`` wrote for ``user_ids`` (arrays without ``recent.*``
@@ -341,14 +349,7 @@ class RecentEventsReference:
         """The tails of ``user_ids`` as flat arrays (keys ``recent.*``) for a checkpoint."""
         tails = [self._tails.get(u, UserEvents.empty()) for u in user_ids]
         queries = [self._queries.get(u) for u, t in zip(user_ids, tails) if len(t)]
-        out = {PREFIX + "lengths": np.array([len(t) for t in tails], dtype=np.int64)}
-        joined = UserEvents.concat(tails)
-        out[PREFIX + "items"] = joined.items
-        out[PREFIX + "actions"] = joined.actions
-        out[PREFIX + "ts_ms"] = joined.ts_ms
-        if queries and all(q is not None for q in queries):
-            out[PREFIX + "queries"] = np.concatenate(queries).astype(np.float32)  # type: ignore[arg-type]
-        return out
+        return export_tails(tails, queries)
 
     def load(self, user_ids: list[str], arrays: dict[str, np.ndarray]) -> None:
         """Install the tails ``export`` wrote for ``user_ids`` (arrays without ``recent.*``
