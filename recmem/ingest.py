@@ -116,11 +116,10 @@ def capture(
         every = engine.users_of(p)
         full = p in full_for or 2 * len(changed) > len(every)
         users = every if full else changed
-        states = []
+        state = engine.store.layout.empty(len(users))
         for start in range(0, len(users), CAPTURE_SLICE_USERS):
-            states.append(engine.store.read(users[start : start + CAPTURE_SLICE_USERS]))
+            engine.store.read_into(users[start : start + CAPTURE_SLICE_USERS], state, start)
             yield
-        state = MemoryState.cat(states) if states else engine.store.layout.zeros(0)
         arrays = engine.export_arrays(users)
         engine.clear_dirty(p)
         out.append(Captured(p, users, state, arrays, full))
