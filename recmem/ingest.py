@@ -464,8 +464,9 @@ class KafkaIngest:
         return self.clock() - self._last_checkpoint >= self.interval_s
 
     def checkpoint(self) -> dict[int, int]:
-        """Start a checkpoint of every assigned partition whose offset moved: the loop copies
-        the contents at once; a writer thread writes the files while consumption goes on.
+        """Start a checkpoint of every assigned partition whose offset moved: a writer thread
+        has the loop copy each partition's contents in turn and writes its files, while
+        consumption goes on.
         Returns the offsets whose checkpoints are complete (the consumer commits those)."""
         self._drop_fenced()
         if self._writing is None or self._writing.done():
