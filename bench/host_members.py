@@ -130,6 +130,16 @@ def ingest_pass(cluster: Any, cfg: Any, n_events: int, ends: dict[int, int]) -> 
         "events_per_s_start_to_checkpointed": round(n_events / done),
         "events_per_s_10_to_90_percent": round(0.8 * n_events / max(t90 - t10, 1e-9)),
         "applied_trace": trace[:: max(1, len(trace) // 60)],
+        # stalls: no event applied for over a second (the count is polled every 0.2 s)
+        "stalls_over_1s": [
+            [round(a[0], 2), round(b[0] - a[0], 2)]
+            for a, b in zip(trace, trace[1:])
+            if b[0] - a[0] > 1.0 and a[1] > 0
+        ],
+        "seconds_in_stalls_over_1s": round(
+            sum(b[0] - a[0] for a, b in zip(trace, trace[1:]) if b[0] - a[0] > 1.0 and a[1] > 0),
+            2,
+        ),
     }
 
 

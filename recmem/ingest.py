@@ -116,11 +116,10 @@ def capture(
         every = engine.users_of(p)
         full = p in full_for or 2 * len(changed) > len(every)
         users = every if full else changed
-        states = []
+        state = engine.store.layout.empty(len(users))
         for start in range(0, len(users), CAPTURE_SLICE_USERS):
-            states.append(engine.store.read(users[start : start + CAPTURE_SLICE_USERS]))
+            engine.store.read_into(users[start : start + CAPTURE_SLICE_USERS], state, start)
             yield
-        state = MemoryState.cat(states) if states else engine.store.layout.zeros(0)
         arrays = engine.export_arrays(users)
         engine.clear_dirty(p)
         out.append(Captured(p, users, state, arrays, full))
@@ -207,6 +206,9 @@ class KafkaIngest:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self._writing: Future[None] | None = None
         """The checkpoint being written by the writer thread, if any."""
+        self._submit_lock = threading.Lock()
+        """Held while a batch is handed to the loop with its offsets, and while a capture
+        task is queued with the offsets it records."""
 
     # ---- BatchSink ---------------------------------------------------------------------
 
@@ -443,26 +445,28 @@ class KafkaIngest:
             else:
                 events = [e for e in events if e.partition in self.assigned]
             next_offsets = {p: o for p, o in next_offsets.items() if p in self.assigned}
-        try:
-            self.loop.submit_apply(events)
-        except LoopStopped as e:
-            raise RuntimeError(f"applying a batch failed: {e}") from e.__cause__ or e
-        self.next_offsets.update(next_offsets)
-        for p in next_offsets:
-            marks = source or SourceMarks()
-            self.source[p] = {
-                "topic": self.topic,
-                "topic_id": marks.topic_id,
-                "last_record": marks.last_records.get(p, ""),
-            }
+        with self._submit_lock:  # a capture's offsets cover exactly the batches before it
+            try:
+                self.loop.submit_apply(events)
+            except LoopStopped as e:
+                raise RuntimeError(f"applying a batch failed: {e}") from e.__cause__ or e
+            self.next_offsets.update(next_offsets)
+            for p in next_offsets:
+                marks = source or SourceMarks()
+                self.source[p] = {
+                    "topic": self.topic,
+                    "topic_id": marks.topic_id,
+                    "last_record": marks.last_records.get(p, ""),
+                }
         self.totals.batches += 1
 
     def checkpoint_due(self) -> bool:
         return self.clock() - self._last_checkpoint >= self.interval_s
 
     def checkpoint(self) -> dict[int, int]:
-        """Start a checkpoint of every assigned partition whose offset moved: the loop copies
-        the contents at once; a writer thread writes the files while consumption goes on.
+        """Start a checkpoint of every assigned partition whose offset moved: a writer thread
+        has the loop copy each partition's contents in turn and writes its files, while
+        consumption goes on.
         Returns the offsets whose checkpoints are complete (the consumer commits those)."""
         self._drop_fenced()
         if self._writing is None or self._writing.done():
@@ -509,34 +513,44 @@ class KafkaIngest:
     def _write(self, partitions: list[int], wait: bool = True) -> None:
         """Checkpoint each partition whose offset moved since its last checkpoint: a delta of
         the users changed since the previous checkpoint, or every user (full) when there is
-        none to build on, every ``full_every``-th time, or when most users changed. The
-        loop copies the contents; the files are written on this thread (``wait``) or the
-        writer thread (one checkpoint at a time)."""
+        none to build on, every ``full_every``-th time, or when most users changed. One
+        partition at a time, on this thread (``wait``) or the writer thread (one checkpoint
+        at a time): the loop copies its contents (a task in ingest order, queued with the
+        partition's offset), then its files are written; batches handed over meanwhile are
+        applied between one partition's capture and the next."""
         self._settle()
         moved = [p for p in partitions if self.written.get(p) != self.next_offsets.get(p)]
         if not moved:
             return
-        start = time.perf_counter()
-        full_for = {
-            p for p in moved if (h := self._head.get(p)) is None or h[1] + 1 >= self.full_every
-        }
-        offsets = {p: self.next_offsets[p] for p in moved}
-        sources = {p: dict(self.source.get(p, {})) for p in moved}
-        captured: list[Captured] = self._call(  # type: ignore[assignment]
-            partial(capture, partitions=moved, full_for=full_for)
-        )
-        job = partial(self._write_files, captured, offsets, sources, start)
+        job = partial(self._capture_and_write, moved, time.perf_counter())
         if wait:
             job()
         else:
             self._writing = self._writer.submit(job)
+
+    def _capture_and_write(self, moved: list[int], start: float) -> None:
+        for p in moved:
+            h = self._head.get(p)
+            full_for = {p} if h is None or h[1] + 1 >= self.full_every else set()
+            with self._submit_lock:
+                offsets = {p: self.next_offsets[p]}
+                sources = {p: dict(self.source.get(p, {}))}
+                try:
+                    fut = self.loop.run_task(partial(capture, partitions=[p], full_for=full_for))
+                except LoopStopped as e:
+                    raise RuntimeError(f"the engine stopped: {e}") from e.__cause__ or e
+            try:
+                captured: list[Captured] = fut.result()
+            except LoopStopped as e:
+                raise RuntimeError(f"the engine stopped: {e}") from e.__cause__ or e
+            self._write_files(captured, offsets, sources)
+        self.totals.checkpoint_seconds += time.perf_counter() - start
 
     def _write_files(
         self,
         captured: list[Captured],
         offsets: dict[int, int],
         sources: dict[int, dict[str, str]],
-        start: float,
     ) -> None:
         for c in captured:
             head = self._head.get(c.partition)
@@ -570,7 +584,6 @@ class KafkaIngest:
                 "partition %d: %s checkpoint of %d users at offset %d",
                 c.partition, "full" if full else "delta", len(c.users), offsets[c.partition],
             )  # fmt: skip
-        self.totals.checkpoint_seconds += time.perf_counter() - start
 
     def _forget(self, partitions: list[int]) -> None:
         self._settle()

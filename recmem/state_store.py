@@ -81,6 +81,13 @@ class StateLayout:
             keyed_order=self.keyed_order,
         )
 
+    def empty(self, batch: int) -> MemoryState:
+        """Host states of ``batch`` users, uninitialised (for :meth:`UserStateStore.read_into`,
+        which writes every row)."""
+        return _from_fields(
+            {k: torch.empty(shape, dtype=dt) for k, (shape, dt) in self.field_shapes(batch).items()}
+        )
+
     def field_shapes(self, batch: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of each field for ``batch`` users."""
         one = self.zeros(1, "meta").to_fields()
@@ -101,12 +108,15 @@ def _from_fields(f: dict[str, torch.Tensor]) -> MemoryState:
     return MemoryState.from_fields(f)
 
 
-def state_to_numpy(state: MemoryState) -> dict[str, np.ndarray]:
-    """Host copies of a state's tensors as raw bytes (uint8 views keep any dtype bit-exact)."""
-    return {
-        k: v.detach().to("cpu").contiguous().view(torch.uint8).numpy().copy()
+def state_to_numpy(state: MemoryState, copy: bool = True) -> dict[str, np.ndarray]:
+    """Host copies of a state's tensors as raw bytes (uint8 views keep any dtype bit-exact);
+    ``copy=False``: views of host tensors that are contiguous already (the caller keeps
+    ``state`` unchanged while it uses them)."""
+    out = {
+        k: v.detach().to("cpu").contiguous().view(torch.uint8).numpy()
         for k, v in _fields(state).items()
     }
+    return {k: v.copy() for k, v in out.items()} if copy else out
 
 
 def state_from_numpy(
@@ -336,15 +346,29 @@ class UserStateStore:
     def read(self, user_ids: Sequence[str]) -> MemoryState:
         """A host copy of known users' states from any tier, without changing tiers or LRU."""
         out = self.layout.zeros(len(user_ids))
-        dst = _fields(out)
-        resident = [(i, self._slot_of[u]) for i, u in enumerate(user_ids) if u in self._slot_of]
-        if resident:
+        self.read_into(user_ids, out, 0)
+        return out
+
+    def read_into(self, user_ids: Sequence[str], out: MemoryState, start: int) -> None:
+        """``read`` into rows ``start:start + len(user_ids)`` of the host states ``out``
+        (every one of those rows is written; one copy per field when all are resident)."""
+        dst = {k: v.narrow(0, start, len(user_ids)) for k, v in _fields(out).items()}
+        slot_of = self._slot_of
+        resident = [(i, slot_of[u]) for i, u in enumerate(user_ids) if u in slot_of]
+        if resident and len(resident) == len(user_ids):
+            rows = torch.tensor([s for _, s in resident], dtype=torch.int64, device=self.device)
+            for name, src in _fields(self.slab).items():
+                if src.device.type == "cpu":
+                    torch.index_select(src, 0, rows, out=dst[name])
+                else:
+                    dst[name].copy_(src.index_select(0, rows))
+        elif resident:
             idx = torch.tensor([i for i, _ in resident], dtype=torch.int64)
             rows = torch.tensor([s for _, s in resident], dtype=torch.int64, device=self.device)
             for name, src in _fields(self.slab).items():
                 dst[name].index_copy_(0, idx, src.index_select(0, rows).to("cpu"))
         for i, user in enumerate(user_ids):
-            if user in self._slot_of:
+            if user in slot_of:
                 continue
             rec = self._host.get(user)
             if rec is None:
@@ -353,7 +377,6 @@ class UserStateStore:
                 rec = self._read_disk(user, remove=False)
             for name, v in rec.items():
                 dst[name][i] = v[0]
-        return out
 
     def __contains__(self, user: object) -> bool:
         return user in self._slot_of or user in self._host or user in self._disk

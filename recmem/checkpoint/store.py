@@ -355,7 +355,7 @@ class CheckpointStore:
             self.bytes_written += files[fname]["bytes"]
 
         put("users.json", json.dumps(user_ids).encode())
-        for name, arr in state_to_numpy(state).items():
+        for name, arr in state_to_numpy(state, copy=False).items():  # written before return
             put(f"state.{name}.bin", arr.data)
         for name, arr in (notes or {}).items():
             put(f"notes.{name}.npy", _npy_bytes(arr))

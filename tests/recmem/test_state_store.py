@@ -54,6 +54,10 @@ def test_random_access_bit_exact_through_every_tier(tmp_path, momentum):
         got = store.read(some)
         for j, u in enumerate(some):
             assert_state_equal(got.index(slice(j, j + 1)), truth[u])
+        # read_into: the same rows, written at an offset of an uninitialised buffer
+        buf = layout.empty(len(some) + 2)
+        store.read_into(some, buf, 1)
+        assert_state_equal(buf.index(slice(1, 1 + len(some))), got)
         # read_resident: the same copies, only when every user is on the slab
         fast = store.read_resident(some)
         on_slab = [u in store._slot_of for u in some]
