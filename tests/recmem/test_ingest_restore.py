@@ -5,6 +5,7 @@ the group generation, and a newer generation's claim fences this member."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -222,3 +223,51 @@ def test_prefetches_of_partitions_given_elsewhere_are_dropped(tmp_path):
         for s in (b, off):
             s.close()
             s.loop.stop()
+
+
+class SlowStore(CheckpointStore):
+    """A checkpoint store that records what each write holds and takes its time, so that
+    batches keep arriving while a checkpoint is between its partitions."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.writes: list[tuple[int, int, dict[str, int]]] = []
+
+    def write(self, partition, user_ids, state, next_offset, **kw):
+        pos = dict(zip(user_ids, state.pos.tolist()))
+        self.writes.append((partition, int(next_offset), pos))
+        time.sleep(0.02)
+        return super().write(partition, user_ids, state, next_offset, **kw)
+
+
+def test_checkpoints_taken_while_batches_arrive_hold_exactly_the_events_before_their_offsets(
+    tmp_path,
+):
+    """Checkpoints capture one partition at a time while the consumer keeps handing batches
+    over: every checkpoint's states hold exactly the events below its offset, never one
+    more or one less (a capture queued out of order with the batches would break it)."""
+    raw = random_events(1200, 40, seed=5, n_partitions=2)
+    events = [dataclasses.replace(e, ts_ms=e.ts_ms + k) for k, e in enumerate(raw)]  # no dups
+    store = SlowStore(tmp_path / "ckpt", layout())
+    a = service(tmp_path, "a", store)
+    try:
+        a.restore_now([0, 1])
+        for start in range(0, len(events), 40):
+            batch = events[start : start + 40]
+            ends = {e.partition: e.offset + 1 for e in batch}
+            a.apply_batch(batch, ends)
+            a.checkpoint()  # starts one when none is being written (interval 0)
+        a.flush()
+        a.checkpoint()
+        a.flush()
+    finally:
+        a.close()
+        a.loop.stop()
+    assert len({p for p, _, _ in store.writes}) == 2 and len(store.writes) >= 3
+    below_offsets = 0
+    for partition, offset, pos in store.writes:
+        for user, got in pos.items():
+            want = sum(1 for e in events if e.user_id == user and e.offset < offset)
+            assert got == want, (partition, offset, user, got, want)
+        below_offsets += offset < events[-1].offset
+    assert below_offsets, "no checkpoint was taken while batches were still arriving"
