@@ -47,6 +47,27 @@ def export_tails(
     return out
 
 
+def tail_spans(
+    arrays: dict[str, np.ndarray], user_ids: list[str]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """A checkpoint's tails per user (``recent.lengths``) as (lengths, starts, ends) into
+    the flat arrays, and its q~ (None when it has none), checked against the users
+    restored; None when the checkpoint holds no tails."""
+    lengths = arrays.get(PREFIX + "lengths")
+    if lengths is None:
+        return None
+    if len(lengths) != len(user_ids):
+        raise ValueError(
+            f"checkpoint has recent events of {len(lengths)} users, {len(user_ids)} users restored"
+        )
+    lengths = np.asarray(lengths)
+    ends = np.cumsum(lengths)
+    queries = arrays.get(PREFIX + "queries")
+    if queries is not None and len(queries) != int(ends[-1] if len(ends) else 0):
+        raise ValueError("checkpoint recent.queries do not match recent.lengths")
+    return lengths, ends - lengths, ends, queries
+
+
 class RecentEvents:
     """The last ``keep`` events of every user with their q~ [n, L, H, K] (float32, host).
 
@@ -230,21 +251,11 @@ class RecentEvents:
     def load(self, user_ids: list[str], arrays: dict[str, np.ndarray]) -> None:
         """Install the tails ``export`` wrote for ``user_ids`` (arrays without ``recent.*``
         keys: the users have no tails)."""
-        lengths = arrays.get(PREFIX + "lengths")
         self.drop(user_ids)
-        if lengths is None:
+        spans = tail_spans(arrays, user_ids)
+        if spans is None:
             return
-        if len(lengths) != len(user_ids):
-            raise ValueError(
-                f"checkpoint has recent events of {len(lengths)} users, "
-                f"{len(user_ids)} users restored"
-            )
-        lengths = np.asarray(lengths)
-        ends = np.cumsum(lengths)
-        starts = ends - lengths
-        queries = arrays.get(PREFIX + "queries")
-        if queries is not None and len(queries) != int(ends[-1] if len(ends) else 0):
-            raise ValueError("checkpoint recent.queries do not match recent.lengths")
+        lengths, starts, ends, queries = spans
         cols = {f: arrays[PREFIX + f] for f in _EVENT_FIELDS} if (lengths > 0).any() else {}
         for i in np.flatnonzero(lengths > self.keep).tolist():  # the plain form
             s, e = int(starts[i]), int(ends[i])
@@ -354,20 +365,11 @@ class RecentEventsReference:
     def load(self, user_ids: list[str], arrays: dict[str, np.ndarray]) -> None:
         """Install the tails ``export`` wrote for ``user_ids`` (arrays without ``recent.*``
         keys: the users have no tails)."""
-        lengths = arrays.get(PREFIX + "lengths")
         self.drop(user_ids)
-        if lengths is None:
+        spans = tail_spans(arrays, user_ids)
+        if spans is None:
             return
-        if len(lengths) != len(user_ids):
-            raise ValueError(
-                f"checkpoint has recent events of {len(lengths)} users, "
-                f"{len(user_ids)} users restored"
-            )
-        ends = np.cumsum(lengths)
-        starts = ends - lengths
-        queries = arrays.get(PREFIX + "queries")
-        if queries is not None and len(queries) != int(ends[-1] if len(ends) else 0):
-            raise ValueError("checkpoint recent.queries do not match recent.lengths")
+        _, starts, ends, queries = spans
         for user, s, e in zip(user_ids, starts, ends):
             if e > s:
                 self._tails[user] = UserEvents(
