@@ -105,26 +105,21 @@ class Captured:
     full: bool
 
 
-def capture(
-    engine: Engine, partitions: list[int], full_for: set[int]
-) -> Generator[None, None, list[Captured]]:
-    """Loop task: copy each partition's users (all of them for a full checkpoint, else
-    those changed since the last capture) in slices, yielding between slices."""
-    out = []
-    for p in partitions:
-        changed = engine.dirty_users(p)
-        every = engine.users_of(p)
-        full = p in full_for or 2 * len(changed) > len(every)
-        users = every if full else changed
-        state = engine.store.layout.empty(len(users))
-        for start in range(0, len(users), CAPTURE_SLICE_USERS):
-            engine.store.read_into(users[start : start + CAPTURE_SLICE_USERS], state, start)
-            yield
-        arrays = engine.export_arrays(users)
-        engine.clear_dirty(p)
-        out.append(Captured(p, users, state, arrays, full))
+def capture(engine: Engine, partition: int, full: bool) -> Generator[None, None, Captured]:
+    """Loop task: copy the partition's users (all of them for a full checkpoint, or when
+    most changed; else those changed since the last capture) in slices, yielding between
+    slices."""
+    changed = engine.dirty_users(partition)
+    every = engine.users_of(partition)
+    full = full or 2 * len(changed) > len(every)
+    users = every if full else changed
+    state = engine.store.layout.empty(len(users))
+    for start in range(0, len(users), CAPTURE_SLICE_USERS):
+        engine.store.read_into(users[start : start + CAPTURE_SLICE_USERS], state, start)
         yield
-    return out
+    arrays = engine.export_arrays(users)
+    engine.clear_dirty(partition)
+    return Captured(partition, users, state, arrays, full)
 
 
 def _install(
@@ -531,59 +526,48 @@ class KafkaIngest:
     def _capture_and_write(self, moved: list[int], start: float) -> None:
         for p in moved:
             h = self._head.get(p)
-            full_for = {p} if h is None or h[1] + 1 >= self.full_every else set()
-            with self._submit_lock:
-                offsets = {p: self.next_offsets[p]}
-                sources = {p: dict(self.source.get(p, {}))}
-                try:
-                    fut = self.loop.run_task(partial(capture, partitions=[p], full_for=full_for))
-                except LoopStopped as e:
-                    raise RuntimeError(f"the engine stopped: {e}") from e.__cause__ or e
             try:
-                captured: list[Captured] = fut.result()
+                with self._submit_lock:  # the offset of exactly the batches queued before it
+                    offset, source = self.next_offsets[p], dict(self.source.get(p, {}))
+                    full = h is None or h[1] + 1 >= self.full_every
+                    fut = self.loop.run_task(partial(capture, partition=p, full=full))
+                captured: Captured = fut.result()
             except LoopStopped as e:
                 raise RuntimeError(f"the engine stopped: {e}") from e.__cause__ or e
-            self._write_files(captured, offsets, sources)
+            self._write_files(captured, offset, source)
         self.totals.checkpoint_seconds += time.perf_counter() - start
 
-    def _write_files(
-        self,
-        captured: list[Captured],
-        offsets: dict[int, int],
-        sources: dict[int, dict[str, str]],
-    ) -> None:
-        for c in captured:
-            head = self._head.get(c.partition)
-            full = c.full or head is None
-            try:
-                path = self.checkpoints.write(
-                    c.partition,
-                    c.users,
-                    c.state,
-                    offsets[c.partition],
-                    model_version=self.engine.model_version,
-                    settings=self.settings,
-                    notes=c.arrays,
-                    parent=None if full or head is None else head[0],
-                    source=sources[c.partition],
-                    generation=self.generation,
-                    owner=self.owner,
-                )
-            except Fenced as e:
-                log.warning("partition %d: checkpoint refused: %s", c.partition, e)
-                self.totals.fenced += 1
-                with self._lock:
-                    self._fenced.add(c.partition)
-                continue
-
+    def _write_files(self, c: Captured, offset: int, source: dict[str, str]) -> None:
+        head = self._head.get(c.partition)
+        full = c.full or head is None
+        try:
+            path = self.checkpoints.write(
+                c.partition,
+                c.users,
+                c.state,
+                offset,
+                model_version=self.engine.model_version,
+                settings=self.settings,
+                notes=c.arrays,
+                parent=None if full or head is None else head[0],
+                source=source,
+                generation=self.generation,
+                owner=self.owner,
+            )
+        except Fenced as e:
+            log.warning("partition %d: checkpoint refused: %s", c.partition, e)
+            self.totals.fenced += 1
             with self._lock:
-                self._head[c.partition] = (path.name, 0 if full or head is None else head[1] + 1)
-                self.written[c.partition] = offsets[c.partition]
-            self.totals.checkpoints += 1
-            log.debug(
-                "partition %d: %s checkpoint of %d users at offset %d",
-                c.partition, "full" if full else "delta", len(c.users), offsets[c.partition],
-            )  # fmt: skip
+                self._fenced.add(c.partition)
+            return
+        with self._lock:
+            self._head[c.partition] = (path.name, 0 if full or head is None else head[1] + 1)
+            self.written[c.partition] = offset
+        self.totals.checkpoints += 1
+        log.debug(
+            "partition %d: %s checkpoint of %d users at offset %d",
+            c.partition, "full" if full else "delta", len(c.users), offset,
+        )  # fmt: skip
 
     def _forget(self, partitions: list[int]) -> None:
         self._settle()
