@@ -19,6 +19,8 @@ from itertools import repeat
 
 import numpy as np
 
+from recmem.archive.open_chunks import ragged_arange
+
 
 class UserRows:
     """User id -> row of the arrays in ``arrays`` (``add``); a released row is reused."""
@@ -138,5 +140,4 @@ def ring_cells(
 
 def positions(counts: np.ndarray) -> np.ndarray:
     """0 .. counts[i]-1 for each i, concatenated (int64)."""
-    counts = np.asarray(counts, np.int64)
-    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return ragged_arange(np.zeros(len(counts), np.int64), counts)
