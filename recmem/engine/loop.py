@@ -1,9 +1,9 @@
 """The engine loop: the one thread that owns the engine (state store, latest events, NoteBank,
 replay cache) and schedules both kinds of work on it, in the manner of vLLM's
 ``EngineCore.step``. Front ends reach it only through its inbox: the gRPC servicer submits
-rank requests (``submit``), the Kafka adapter submits ingest batches (``submit_apply``) and
-ingest-ordered tasks (``run_task``: restoring, capturing and dropping partitions), and
-``inspect`` reads one user.
+rank requests (``submit``; a RankBatch's requests at once, ``submit_many``), the Kafka
+adapter submits ingest batches (``submit_apply``) and ingest-ordered tasks (``run_task``:
+restoring, capturing and dropping partitions), and ``inspect`` reads one user.
 
 The consistency invariant, stated once: every read and every change of engine state happens
 on this thread, and the thread reads state (rank batches, inspections, checkpoint captures)
@@ -95,6 +95,49 @@ class _Done:
     error: BaseException | None = None
 
 
+class _RankGroup:
+    """Rank requests submitted together (``submit_many``): one future for all of them,
+    resolved once each has its result or its exception, in submission order."""
+
+    def __init__(self, n: int) -> None:
+        self.future: Future[list[RankResult | BaseException]] = Future()
+        self.outcomes: list[RankResult | BaseException | None] = [None] * n
+        self.left = n
+        self.running: bool | None = None
+        """None until a member first runs; then False if the future was cancelled first."""
+
+    def start(self) -> bool:
+        if self.running is None:
+            self.running = self.future.set_running_or_notify_cancel()
+        return self.running
+
+    def answer(self, index: int, outcome: RankResult | BaseException) -> None:
+        self.outcomes[index] = outcome
+        self.left -= 1
+        if not self.left:
+            self.future.set_result(self.outcomes)  # type: ignore[arg-type]
+
+
+class _Member:
+    """One request of a ``_RankGroup`` where the loop keeps a request's future: it starts,
+    answers and fails as a future would, into its group."""
+
+    __slots__ = ("group", "index")
+
+    def __init__(self, group: _RankGroup, index: int) -> None:
+        self.group = group
+        self.index = index
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return self.group.start()
+
+    def set_result(self, result: RankResult) -> None:
+        self.group.answer(self.index, result)
+
+    def set_exception(self, error: BaseException) -> None:
+        self.group.answer(self.index, error)
+
+
 @dataclass
 class LoopCounts:
     """Rank micro-batches: batches and requests run, the largest batch, wall time spent
@@ -139,7 +182,8 @@ class EngineLoop:
         timed get run Python code under a condition on every rank request's hop (8
         closed-loop callers of a 0.5 ms rank: p50 0.84 ms with a Queue, 0.77 with this;
         bench/experiments/loop_handoff.py)."""
-        self._ranks: deque[tuple[RankQuery, Future[RankResult], int | None]] = deque()
+        self._ranks: deque[tuple[RankQuery, Future[RankResult] | _Member, int | None]]
+        self._ranks = deque()
         self._reads: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._ingest: deque[_Apply | _Task] = deque()
         self._applying: deque[_Apply] = deque()
@@ -185,6 +229,22 @@ class EngineLoop:
         fut: Future[RankResult] = Future()
         self._put(("rank", query, fut, partition))
         return fut
+
+    def submit_many(
+        self, queries: Sequence[RankQuery], partitions: Sequence[int | None]
+    ) -> Future[list[RankResult | BaseException]]:
+        """Queue several rank requests at once (a RankBatch): each is ranked as ``submit``
+        ranks it (``partitions[i]`` checked the same way), and the one future resolves,
+        once all are answered, with each request's result or its exception, in order."""
+        if len(queries) != len(partitions):
+            raise ValueError("one partition per query")
+        group = _RankGroup(len(queries))
+        if not queries:
+            group.future.set_result([])
+            return group.future
+        members = [(q, _Member(group, i), p) for i, (q, p) in enumerate(zip(queries, partitions))]
+        self._put(("ranks", members))
+        return group.future
 
     def read(self, fn: Callable[[], R]) -> Future[R]:
         """Run ``fn`` on the loop between two units of work (a consistent point)."""
@@ -344,6 +404,8 @@ class EngineLoop:
         kind = item[0]
         if kind == "rank":
             self._ranks.append((item[1], item[2], item[3]))
+        elif kind == "ranks":
+            self._ranks.extend(item[1])
         elif kind == "read":
             self._reads.append((item[1], item[2]))
         elif kind in ("apply", "task"):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -22,7 +23,7 @@ from recmem.ranking import RankQuery, RankResult
 from recmem.routing import OwnerMap
 from recmem.server.metrics import RankMetrics
 from recmem.server.routing import FORWARDED, Forwarder, RoutingFailure, passthrough
-from recmem.server.validation import InvalidRequest, Limits, to_query
+from recmem.server.validation import InvalidRequest, Limits, to_queries, to_query
 from recmem.vocab import ItemVocab
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ class RankBackend(Protocol):
     """What the servicer hands requests to: the engine loop."""
 
     def submit(self, query: RankQuery, partition: int | None = None) -> Future[RankResult]: ...
+
+    def submit_many(
+        self, queries: Sequence[RankQuery], partitions: Sequence[int | None]
+    ) -> Future[list[RankResult | BaseException]]: ...
 
     def inspect(
         self, user_id: str, timeout: float | None = 30.0, partition: int | None = None
@@ -120,9 +125,17 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
     ) -> Any:
         """``local(partition)`` where the user is owned here (partition None: no router);
         else forward the call to its owner, or redirect, or UNAVAILABLE with a hint."""
+        place = self._place(request, context)
+        if isinstance(place, _Remote):
+            return self._forward(method, request, context, place)
+        return local(place.partition)
+
+    def _place(self, request: Any, context: grpc.ServicerContext) -> _Local | _Remote:
+        """Where a call's user is served: here (on which partition), or by the owner the
+        call is forwarded to; raises the redirect or UNAVAILABLE failure otherwise."""
         router = self._router
         if router is None:
-            return local(None)
+            return _Local(None)
         user_id = getattr(request, "user_id", "")
         if not user_id:
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, "user_id is empty")
@@ -132,7 +145,7 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             raise router.unavailable("this instance has no partition assignment yet")
         if route.local:
             self._route_count("local")
-            return local(route.partition)
+            return _Local(route.partition)
         if route.owner is None:
             self._route_count("unavailable")
             raise router.unavailable(
@@ -153,12 +166,20 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
                 owner_md,
             )
         self._route_count("forwarded")
+        return _Remote(route.owner, route.partition)
+
+    def _forward(
+        self, method: str, request: Any, context: grpc.ServicerContext, to: _Remote
+    ) -> Any:
+        """The owner's answer to the call (its failure raised as Rank would answer it)."""
+        router = self._router
+        assert router is not None and router.forwarder is not None
         remaining = context.time_remaining()
         timeout = self._timeout_s if remaining is None else min(remaining, self._timeout_s)
         try:
-            return router.forwarder.call(method, route.owner, request, max(timeout, 0.0))
+            return router.forwarder.call(method, to.owner, request, max(timeout, 0.0))
         except grpc.RpcError as e:
-            raise passthrough(e, route.owner, route.partition, router.retry_ms) from None
+            raise passthrough(e, to.owner, to.partition, router.retry_ms) from None
 
     def _unavailable(self, message: str, partition: int | None) -> RoutingFailure:
         if self._router is not None:
@@ -198,14 +219,26 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             raise _Failure(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "rank did not finish in time"
             ) from None
-        except PartitionUnavailable as e:
-            raise self._unavailable(
-                f"partition {e.partition} is being restored here; retry shortly", e.partition
-            ) from None
-        except LoopStopped as e:
-            raise _Failure(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        except Exception:  # noqa: BLE001 - logged by the engine loop; the client gets INTERNAL
-            raise _Failure(grpc.StatusCode.INTERNAL, "rank failed; see the server log") from None
+        except Exception as e:  # noqa: BLE001 - translated; see _failure
+            raise self._failure(e) from None
+        response = rank_pb2.RankResponse()
+        self._fill(response, res)
+        return response
+
+    def _failure(self, error: BaseException) -> RoutingFailure:
+        """What the client gets for a request the engine failed."""
+        if isinstance(error, PartitionUnavailable):
+            return self._unavailable(
+                f"partition {error.partition} is being restored here; retry shortly",
+                error.partition,
+            )
+        if isinstance(error, LoopStopped):
+            return _Failure(grpc.StatusCode.UNAVAILABLE, str(error))
+        # logged by the engine loop; the client gets INTERNAL
+        return _Failure(grpc.StatusCode.INTERNAL, "rank failed; see the server log")
+
+    def _fill(self, response: rank_pb2.RankResponse, res: RankResult) -> None:
+        """Write a result into an empty RankResponse (and count it in the metrics)."""
         if self._metrics is not None:
             self._metrics.notes_replayed.inc(res.notes_replayed)
             if res.cold_start:
@@ -213,24 +246,24 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             if res.from_cache:
                 self._metrics.replay_cache_hits.inc()
         ids = self._vocab.item_ids
-        return rank_pb2.RankResponse(
-            items=[
-                rank_pb2.ScoredItem(item_id=ids[int(i)], score=float(s))
-                for i, s in zip(res.items, res.scores)
-            ],
-            model_version=self._model_version,
-            position=res.position,
-            cold_start=res.cold_start,
-            notes_replayed=res.notes_replayed,
-            context_applied=res.context_applied,
-        )
+        add = response.items.add
+        for i, s in zip(res.items.tolist(), res.scores.tolist()):
+            add(item_id=ids[i], score=s)
+        response.model_version = self._model_version
+        response.position = res.position
+        response.cold_start = res.cold_start
+        response.notes_replayed = res.notes_replayed
+        response.context_applied = res.context_applied
 
     def RankBatch(
         self, request: rank_pb2.RankBatchRequest, context: grpc.ServicerContext
     ) -> rank_pb2.RankBatchResponse:
-        """Every request owned here is submitted before any is awaited, so they share engine
-        steps; the others are forwarded (or redirected) one at a time, as Rank would. Each
-        request is counted in the request metrics with its own status."""
+        """Each request is answered as Rank would answer it, with its status in its result:
+        the requests owned here are validated together and handed to the engine loop as
+        one submission (so they share engine steps), then the others are forwarded (or
+        redirected) one at a time, as Rank would, while those run. Each request is counted in the request
+        metrics with its own status. ``_rank_batch_reference`` is the plain form, one
+        request at a time."""
         n, most = len(request.requests), self._limits.max_batch_requests
         if not 1 <= n <= most:
             context.abort(
@@ -238,7 +271,93 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
                 f"RankBatch holds {n} requests; 1 to {most} are accepted (server.max_batch_requests)",
             )
         timeout = self._deadline(context)
-        # per request: its engine future, the owner's answer (forwarded) or its failure
+        reqs = list(request.requests)
+        # per request: where it is served (None: here, or failed), then its answer
+        places: list[_Local | _Remote | None] = [_Local(None)] * n
+        answers: list[RankResult | rank_pb2.RankResponse | BaseException | None] = [None] * n
+        if self._router is not None:
+            for i, r in enumerate(reqs):
+                try:
+                    places[i] = self._place(r, context)
+                except _Failure as f:
+                    places[i], answers[i] = None, f
+        local = [i for i in range(n) if isinstance(places[i], _Local)]
+        queries = to_queries([reqs[i] for i in local], self._vocab, self._limits)
+        valid: list[int] = []
+        valid_queries: list[RankQuery] = []
+        partitions: list[int | None] = []
+        for i, q in zip(local, queries):
+            if isinstance(q, InvalidRequest):
+                answers[i] = _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(q))
+            else:
+                valid.append(i)
+                valid_queries.append(q)
+                partitions.append(places[i].partition)  # type: ignore[union-attr]
+        submitted = self._submit_many(valid_queries, partitions)
+        for i, place in enumerate(places):
+            if isinstance(place, _Remote):
+                try:
+                    answers[i] = self._forward("Rank", reqs[i], context, place)
+                except _Failure as f:
+                    answers[i] = f
+        for i, ranked in zip(valid, self._wait_many(submitted, len(valid), timeout), strict=True):
+            answers[i] = ranked
+        out = rank_pb2.RankBatchResponse()
+        for got in answers:
+            result = out.results.add()
+            if isinstance(got, BaseException):
+                failure = got if isinstance(got, RoutingFailure) else self._failure(got)
+                result.CopyFrom(_batch_failure(failure))
+                code = failure.code
+            else:
+                if isinstance(got, RankResult):
+                    self._fill(result.response, got)
+                else:
+                    assert got is not None
+                    result.response.CopyFrom(got)
+                result.response.SetInParent()
+                code = grpc.StatusCode.OK
+            if self._metrics is not None:
+                self._metrics.requests.labels(code=code.name).inc()
+        return out
+
+    def _submit_many(
+        self, queries: list[RankQuery], partitions: list[int | None]
+    ) -> Future[list[RankResult | BaseException]] | RoutingFailure | None:
+        """Hand valid queries to the engine loop in one submission (None: there are none)."""
+        if not queries:
+            return None
+        try:
+            return self._backend.submit_many(queries, partitions)
+        except LoopStopped as e:
+            return _Failure(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    def _wait_many(
+        self,
+        submitted: Future[list[RankResult | BaseException]] | RoutingFailure | None,
+        n: int,
+        timeout: float,
+    ) -> Sequence[RankResult | BaseException]:
+        """Each submitted query's result or failure (one failure for all when the
+        submission failed or the deadline passed)."""
+        if submitted is None:
+            return []
+        if isinstance(submitted, RoutingFailure):
+            return [submitted] * n
+        try:
+            return submitted.result(timeout=timeout)
+        except FutureTimeout:
+            submitted.cancel()
+            late = _Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "rank did not finish in time")
+            return [late] * n
+
+    def _rank_batch_reference(
+        self, request: rank_pb2.RankBatchRequest, context: grpc.ServicerContext
+    ) -> rank_pb2.RankBatchResponse:
+        """RankBatch one request at a time (the plain form the tests hold RankBatch to):
+        every request owned here is submitted before any is awaited, the others are
+        forwarded (or redirected) as Rank would."""
+        timeout = self._deadline(context)
         started: list[Future[RankResult] | rank_pb2.RankResponse | RoutingFailure] = []
         for r in request.requests:
             try:
@@ -319,6 +438,21 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             last_ts_ms=info.last_ts_ms,
             model_version=self._model_version,
         )
+
+
+@dataclass(frozen=True)
+class _Local:
+    """A RankBatch request owned here, on ``partition`` (None: no router)."""
+
+    partition: int | None
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A call forwarded to ``owner``, which serves the user's ``partition``."""
+
+    owner: str
+    partition: int
 
 
 def _batch_failure(f: RoutingFailure) -> rank_pb2.RankBatchResult:

@@ -5,8 +5,11 @@ and context event times are bounded as the Kafka consumer bounds them (``kafka.m
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,6 +114,17 @@ def _candidates(req: rank_pb2.RankRequest, vocab: ItemVocab, limits: Limits) -> 
 
 def to_query(req: rank_pb2.RankRequest, vocab: ItemVocab, limits: Limits) -> RankQuery:
     """Validate one RankRequest; raises InvalidRequest with a message."""
+    return _query(req, vocab, limits, lambda: _candidates(req, vocab, limits))
+
+
+def _query(
+    req: rank_pb2.RankRequest,
+    vocab: ItemVocab,
+    limits: Limits,
+    candidates: Callable[[], np.ndarray | None],
+) -> RankQuery:
+    """``to_query`` with the candidates' check and encoding given (called in its place in
+    the order of the checks, so that a request with several problems names the same one)."""
     _check_id(req.user_id, "user_id", limits)
     if req.k <= 0:
         raise InvalidRequest(f"k must be positive, got {req.k}")
@@ -132,7 +146,43 @@ def to_query(req: rank_pb2.RankRequest, vocab: ItemVocab, limits: Limits) -> Ran
         user_id=req.user_id,
         request_ts_ms=req.request_ts_ms,
         k=req.k,
-        candidates=_candidates(req, vocab, limits),
+        candidates=candidates(),
         replay_notes=notes,
         context=_context(req, vocab, limits),
     )
+
+
+def _given(candidates: np.ndarray | None) -> np.ndarray | None:
+    return candidates
+
+
+def to_queries(
+    reqs: Sequence[rank_pb2.RankRequest], vocab: ItemVocab, limits: Limits
+) -> list[RankQuery | InvalidRequest]:
+    """What ``to_query`` gives for each request (its query, or its InvalidRequest), with
+    the candidates of all requests looked up and checked for duplicates at once. A request
+    whose candidates fail a check goes through ``to_query`` itself for its message."""
+    ids = [list(r.candidate_item_ids) for r in reqs]
+    sizes = np.fromiter(map(len, ids), np.int64, count=len(ids))
+    flat = list(itertools.chain.from_iterable(ids))
+    idx = np.fromiter(map(vocab.index.get, flat, itertools.repeat(-1)), np.int64, len(flat))
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    row = np.repeat(np.arange(len(reqs)), sizes)
+    bad = sizes > limits.max_candidates
+    bad[row[idx < 0]] = True
+    # duplicates: equal (row, index) pairs sit side by side once sorted
+    span = vocab.n_items + 1
+    keyed = np.sort(row * span + idx + 1)
+    bad[keyed[1:][keyed[1:] == keyed[:-1]] // span] = True
+    out: list[RankQuery | InvalidRequest] = []
+    for i, req in enumerate(reqs):
+        try:
+            if bad[i]:
+                out.append(to_query(req, vocab, limits))
+            else:
+                mine = idx[starts[i] : ends[i]] if sizes[i] else None
+                out.append(_query(req, vocab, limits, functools.partial(_given, mine)))
+        except InvalidRequest as e:
+            out.append(e)
+    return out
