@@ -89,7 +89,8 @@ def worker(args: argparse.Namespace) -> None:
 
     flush_denormals()
     ns = argparse.Namespace(
-        users=args.users, events=args.events, items=args.items, device="cpu", threads=1,
+        users=args.users, events=args.events, items=args.items, device=args.device,
+        threads=1 if args.device == "cpu" else 0,
         spill_dir=tempfile.mkdtemp(prefix="rankbatch-engine-"), set=[],
     )  # fmt: skip
     t0 = time.perf_counter()
@@ -187,6 +188,9 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=256)
     ap.add_argument("--events", type=int, default=100, help="mean events per user")
     ap.add_argument("--items", type=int, default=3706)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
+    ap.add_argument("--root-commit", action="append", default=[],
+                    help="NAME=SHA: a tree's commit (a git archive has no .git)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-root", dest="root_dir", default=None, help=argparse.SUPPRESS)
@@ -206,15 +210,17 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": root}
         cmd = [sys.executable, str(HERE), "--worker", "--worker-root", root,
                "--users", str(args.users), "--events", str(args.events),
-               "--items", str(args.items)]  # fmt: skip
+               "--items", str(args.items), "--device", args.device]  # fmt: skip
         p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)  # fmt: skip
         assert p.stdout is not None
         ready[name] = json.loads(p.stdout.readline())
         procs[name] = p
-        commits[name] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
+        commits[name] = dict(c.split("=", 1) for c in args.root_commit).get(name) or (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True
+            ).stdout.strip()
+        )
         print(name, {k: v for k, v in ready[name].items() if k != "answers"}, file=sys.stderr)
     cells = [(int(b), int(r)) for b in args.batch.split(",") for r in args.replay.split(",")]
     rows: list[dict[str, Any]] = []
