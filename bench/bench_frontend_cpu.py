@@ -1,0 +1,245 @@
+"""CPU per Rank call of one front-end process (``server.frontends``), threads against aio
+(``server.frontend_mode``), in front of an engine that answers at once.
+
+    .venv/bin/python bench/bench_frontend_cpu.py [--modes threads,aio] [--concurrency 64]
+        [--seconds 5] [--rounds 3] [--client-procs 1] [--json PATH]
+
+What the front end itself costs, without any model work: a stand-in engine process serves
+the private unix socket with the real ``GrpcServer`` (health SERVING, so the front ends
+mirror it) and a servicer whose ``RankBatch`` answers every request at once with a fixed
+10-item response. One front-end process per mode (``FrontEnds`` with ``server.frontends =
+1``: the real process, started as ``recmem serve`` starts it) sits in front of it. A client
+process (grpc.aio, closed loop, ``--concurrency`` callers on one channel, 100 candidates,
+k = 10) loads one front end at a time for ``--seconds``, the modes alternating over
+``--rounds``. Per cell: req/s, p50/p99, and the CPU time (user + system, /proc) of the
+front-end process, the engine stand-in and the client over the measured window, divided
+by the calls answered in it: the front end's per-call CPU is the figure that says how
+many calls a core can answer. On a 2-core machine the three processes share the cores,
+so req/s is bounded by their sum; the per-call CPU is not.
+
+Writes PATH (default bench/results/frontend_cpu.json): machine, date, commit, command,
+cells and per-mode means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from benchinfo import git_commit
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = ("threads", "aio")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def engine_stand_in(addresses: list[str], conn: Any) -> None:
+    """Child process: the real private ``GrpcServer`` on each of ``addresses``, whose
+    RankBatch answers each request with a fixed response at once."""
+    import grpc
+
+    from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+    from recmem.config import Config
+    from recmem.server.app import GrpcServer
+
+    response = rank_pb2.RankResponse(
+        items=[rank_pb2.ScoredItem(item_id=f"item{i}", score=1.0 - i / 10) for i in range(10)],
+        model_version="stand-in",
+        position=100,
+    )
+
+    class Instant(rank_pb2_grpc.RecMemServicer):
+        def RankBatch(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+            result = rank_pb2.RankBatchResult(code=0, response=response)
+            return rank_pb2.RankBatchResponse(results=[result] * len(request.requests))
+
+    cfg = Config()
+    servers = [GrpcServer(cfg, Instant(), private=a).start() for a in addresses]
+    conn.send(os.getpid())
+    conn.recv()
+    for s in servers:
+        s.stop(0.5)
+
+
+def client(port: int, concurrency: int, seconds: float, conn: Any) -> None:
+    """Child process: warm up, tell the parent ``go``, load for ``seconds``, tell it
+    ``done`` with the latencies of the calls that finished inside the window."""
+    import asyncio
+
+    import grpc
+
+    from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+
+    request = rank_pb2.RankRequest(
+        user_id="u1", k=10, candidate_item_ids=[f"item{i}" for i in range(100)]
+    )
+
+    async def run() -> list[float]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = rank_pb2_grpc.RecMemStub(channel)  # type: ignore[no-untyped-call]
+            window = [0.0, float("inf")]
+            lat: list[float] = []
+
+            async def caller() -> None:
+                while True:
+                    t = time.perf_counter()
+                    if t >= window[1]:
+                        return
+                    await stub.Rank(request, timeout=30)
+                    done = time.perf_counter()
+                    if window[0] <= done <= window[1]:
+                        lat.append(done - t)
+
+            callers = [asyncio.ensure_future(caller()) for _ in range(concurrency)]
+            await asyncio.sleep(1.0)  # warm-up
+            window[0] = time.perf_counter()
+            window[1] = window[0] + seconds
+            conn.send("go")
+            await asyncio.sleep(seconds)
+            conn.send("done")
+            await asyncio.gather(*callers)
+            return lat
+
+    conn.send(asyncio.run(run()))
+
+
+def main() -> None:
+    from recmem.config import Config
+    from recmem.server.frontends import FrontEnds
+
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "frontend_cpu.json"))
+    args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    load_start = os.getloadavg()[0]
+    fronts: dict[str, FrontEnds] = {}
+    for mode in modes:
+        cfg = Config()
+        cfg.server.port = 0
+        cfg.server.frontends = 1
+        cfg.server.frontend_mode = mode
+        fronts[mode] = FrontEnds(cfg)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    engine = ctx.Process(
+        target=engine_stand_in, args=([f.engine_address for f in fronts.values()], child)
+    )
+    engine.start()
+    engine_pid = parent.recv()
+    cells: list[dict[str, Any]] = []
+    try:
+        for f in fronts.values():
+            f.start()
+        time.sleep(1.0)  # health mirrored
+        for r in range(args.rounds):
+            order = modes if r % 2 == 0 else modes[::-1]
+            for mode in order:
+                front = fronts[mode]
+                pid = front.pids[0]
+                cparent, cchild = ctx.Pipe()
+                proc = ctx.Process(
+                    target=client, args=(front.port, args.concurrency, args.seconds, cchild)
+                )
+                proc.start()
+                assert cparent.recv() == "go"
+                before = [cpu_seconds(p) for p in (pid, engine_pid, proc.pid)]
+                assert cparent.recv() == "done"
+                after = [cpu_seconds(p) for p in (pid, engine_pid, proc.pid)]
+                lat = np.array(cparent.recv()) * 1e3
+                proc.join(30)
+                n = len(lat)
+                used = [a - b for a, b in zip(after, before)]
+                cell = {
+                    "round": r,
+                    "mode": mode,
+                    "concurrency": args.concurrency,
+                    "calls": n,
+                    "throughput_rps": n / args.seconds,
+                    "p50_ms": float(np.percentile(lat, 50)),
+                    "p99_ms": float(np.percentile(lat, 99)),
+                    "frontend_cpu_s": used[0],
+                    "frontend_cpu_us_per_call": used[0] / max(n, 1) * 1e6,
+                    "frontend_cpu_share": used[0] / args.seconds,
+                    "engine_stand_in_cpu_us_per_call": used[1] / max(n, 1) * 1e6,
+                    "client_cpu_us_per_call": used[2] / max(n, 1) * 1e6,
+                    "load_avg_1m": os.getloadavg()[0],
+                }
+                cells.append(cell)
+                print(
+                    f"round {r} {mode:7s}: {cell['throughput_rps']:7.0f} req/s, p50"
+                    f" {cell['p50_ms']:.2f} ms p99 {cell['p99_ms']:.2f} ms; front end"
+                    f" {cell['frontend_cpu_us_per_call']:.0f} us/call"
+                    f" ({cell['frontend_cpu_share']:.2f} cores), engine stand-in"
+                    f" {cell['engine_stand_in_cpu_us_per_call']:.0f}, client"
+                    f" {cell['client_cpu_us_per_call']:.0f} us/call",
+                    flush=True,
+                )
+    finally:
+        for f in fronts.values():
+            f.stop(1.0)
+        parent.send("stop")
+        engine.join(30)
+    keys = ("throughput_rps", "p50_ms", "p99_ms", "frontend_cpu_us_per_call",
+            "frontend_cpu_share", "engine_stand_in_cpu_us_per_call", "client_cpu_us_per_call")  # fmt: skip
+    means = {
+        mode: {k: float(np.mean([c[k] for c in cells if c["mode"] == mode])) for k in keys}
+        for mode in modes
+    }
+    result = {
+        "bench": "frontend_cpu",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "command": " ".join(["bench/bench_frontend_cpu.py", *sys.argv[1:]]),
+        "machine": {
+            "host": socket.gethostname(),
+            "cpu_count": os.cpu_count(),
+            "load_avg_1m_at_start": load_start,
+            "load_avg_1m_at_end": os.getloadavg()[0],
+        },
+        "setup": {
+            "concurrency": args.concurrency,
+            "seconds_per_cell": args.seconds,
+            "rounds": args.rounds,
+            "client": "one process, grpc.aio, closed loop, one channel; 100 candidates, k = 10",
+            "engine": "a stand-in GrpcServer on the private unix socket: RankBatch answered "
+            "at once with a fixed 10-item response per request",
+            "frontend": "one front-end process (FrontEnds, server.frontends = 1) per mode, "
+            "server defaults otherwise",
+        },
+        "means": means,
+        "cells": cells,
+    }
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    for mode, m in means.items():
+        print(
+            f"{mode:7s}: {m['throughput_rps']:.0f} req/s, front end"
+            f" {m['frontend_cpu_us_per_call']:.0f} us/call, p99 {m['p99_ms']:.2f} ms"
+        )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
