@@ -1,8 +1,8 @@
 """CPU per Rank call of one front-end process (``server.frontends``), threads against aio
 (``server.frontend_mode``), in front of an engine that answers at once.
 
-    .venv/bin/python bench/bench_frontend_cpu.py [--modes threads,aio] [--concurrency 64]
-        [--seconds 5] [--rounds 3] [--client-procs 1] [--json PATH]
+    .venv/bin/python bench/bench_frontend_cpu.py [--modes threads,aio[,bare-threads,bare-aio]]
+        [--concurrency 64] [--seconds 5] [--rounds 3] [--json PATH]
 
 What the front end itself costs, without any model work: a stand-in engine process serves
 the private unix socket with the real ``GrpcServer`` (health SERVING, so the front ends
@@ -16,6 +16,11 @@ front-end process, the engine stand-in and the client over the measured window, 
 by the calls answered in it: the front end's per-call CPU is the figure that says how
 many calls a core can answer. On a 2-core machine the three processes share the cores,
 so req/s is bounded by their sum; the per-call CPU is not.
+
+The modes ``bare-threads`` and ``bare-aio`` are the floor: a process with a bare
+``grpc.server`` (64 threads) or ``grpc.aio.server`` whose Rank answers the same fixed
+response at once (no interceptors, health, batching, engine channel or metrics): what
+Python gRPC itself costs per call, so the rest of a front end's per-call CPU is its own.
 
 Writes PATH (default bench/results/frontend_cpu.json): machine, date, commit, command,
 cells and per-mode means.
@@ -41,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODES = ("threads", "aio")
+BARE = ("bare-threads", "bare-aio")
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -76,6 +82,50 @@ def engine_stand_in(addresses: list[str], conn: Any) -> None:
     conn.recv()
     for s in servers:
         s.stop(0.5)
+
+
+def bare_server(mode: str, conn: Any) -> None:
+    """Child process: a bare sync or aio gRPC server whose Rank answers a fixed 10-item
+    response at once; sends its (pid, port), serves until told to stop."""
+    import asyncio
+    from concurrent import futures
+
+    import grpc
+
+    from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+
+    response = rank_pb2.RankResponse(
+        items=[rank_pb2.ScoredItem(item_id=f"item{i}", score=1.0 - i / 10) for i in range(10)],
+        model_version="stand-in",
+        position=100,
+    )
+    if mode == "bare-threads":
+
+        class Sync(rank_pb2_grpc.RecMemServicer):
+            def Rank(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
+                return response
+
+        server = grpc.server(futures.ThreadPoolExecutor(64))
+        rank_pb2_grpc.add_RecMemServicer_to_server(Sync(), server)  # type: ignore[no-untyped-call]
+        conn.send((os.getpid(), server.add_insecure_port("127.0.0.1:0")))
+        server.start()
+        conn.recv()
+        server.stop(0)
+        return
+
+    async def main() -> None:
+        class Aio(rank_pb2_grpc.RecMemServicer):
+            async def Rank(self, request: Any, context: Any) -> Any:  # type: ignore[override]  # noqa: N802
+                return response
+
+        server = grpc.aio.server()
+        rank_pb2_grpc.add_RecMemServicer_to_server(Aio(), server)  # type: ignore[no-untyped-call]
+        conn.send((os.getpid(), server.add_insecure_port("127.0.0.1:0")))
+        await server.start()
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        await server.stop(0)
+
+    asyncio.run(main())
 
 
 def client(port: int, concurrency: int, seconds: float, conn: Any) -> None:
@@ -135,6 +185,8 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     fronts: dict[str, FrontEnds] = {}
     for mode in modes:
+        if mode in BARE:
+            continue
         cfg = Config()
         cfg.server.port = 0
         cfg.server.frontends = 1
@@ -148,18 +200,27 @@ def main() -> None:
     engine.start()
     engine_pid = parent.recv()
     cells: list[dict[str, Any]] = []
+    bare: dict[str, tuple[Any, Any, int, int]] = {}  # mode: process, pipe, pid, port
     try:
         for f in fronts.values():
             f.start()
+        for mode in modes:
+            if mode in BARE:
+                bparent, bchild = ctx.Pipe()
+                bproc = ctx.Process(target=bare_server, args=(mode, bchild))
+                bproc.start()
+                bare[mode] = (bproc, bparent, *bparent.recv())
         time.sleep(1.0)  # health mirrored
         for r in range(args.rounds):
             order = modes if r % 2 == 0 else modes[::-1]
             for mode in order:
-                front = fronts[mode]
-                pid = front.pids[0]
+                if mode in BARE:
+                    pid, port = bare[mode][2], bare[mode][3]
+                else:
+                    pid, port = fronts[mode].pids[0], fronts[mode].port
                 cparent, cchild = ctx.Pipe()
                 proc = ctx.Process(
-                    target=client, args=(front.port, args.concurrency, args.seconds, cchild)
+                    target=client, args=(port, args.concurrency, args.seconds, cchild)
                 )
                 proc.start()
                 assert cparent.recv() == "go"
@@ -196,6 +257,9 @@ def main() -> None:
                     flush=True,
                 )
     finally:
+        for bproc, bparent, _, _ in bare.values():
+            bparent.send("stop")
+            bproc.join(30)
         for f in fronts.values():
             f.stop(1.0)
         parent.send("stop")
@@ -225,7 +289,9 @@ def main() -> None:
             "engine": "a stand-in GrpcServer on the private unix socket: RankBatch answered "
             "at once with a fixed 10-item response per request",
             "frontend": "one front-end process (FrontEnds, server.frontends = 1) per mode, "
-            "server defaults otherwise",
+            "server defaults otherwise; bare-threads / bare-aio: a bare grpc.server (64 "
+            "threads) / grpc.aio.server answering a fixed response, the Python gRPC floor "
+            "(engine_stand_in figures are idle there)",
         },
         "means": means,
         "cells": cells,
