@@ -58,7 +58,8 @@ def cpu_seconds(pid: int) -> float:
 
 def engine_stand_in(addresses: list[str], conn: Any) -> None:
     """Child process: the real private ``GrpcServer`` on each of ``addresses``, whose
-    RankBatch answers each request with a fixed response at once."""
+    RankBatch answers each request with a fixed response at once. On "counts" it sends
+    [RankBatch calls, requests] per address."""
     import grpc
 
     from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
@@ -72,16 +73,24 @@ def engine_stand_in(addresses: list[str], conn: Any) -> None:
     )
 
     class Instant(rank_pb2_grpc.RecMemServicer):
+        def __init__(self) -> None:
+            self.counts = [0, 0]
+
         def RankBatch(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+            n = len(request.requests)
+            self.counts[0] += 1
+            self.counts[1] += n
             result = rank_pb2.RankBatchResult(code=0, response=response)
-            return rank_pb2.RankBatchResponse(results=[result] * len(request.requests))
+            return rank_pb2.RankBatchResponse(results=[result] * n)
 
     cfg = Config()
-    servers = [GrpcServer(cfg, Instant(), private=a).start() for a in addresses]
+    servicers = [Instant() for _ in addresses]
+    servers = [GrpcServer(cfg, s, private=a).start() for s, a in zip(servicers, addresses)]
     conn.send(os.getpid())
-    conn.recv()
-    for s in servers:
-        s.stop(0.5)
+    while conn.recv() == "counts":
+        conn.send([list(s.counts) for s in servicers])
+    for srv in servers:
+        srv.stop(0.5)
 
 
 def bare_server(mode: str, conn: Any) -> None:
@@ -218,6 +227,7 @@ def main() -> None:
                     pid, port = bare[mode][2], bare[mode][3]
                 else:
                     pid, port = fronts[mode].pids[0], fronts[mode].port
+                slot = list(fronts).index(mode) if mode in fronts else None
                 cparent, cchild = ctx.Pipe()
                 proc = ctx.Process(
                     target=client, args=(port, args.concurrency, args.seconds, cchild)
@@ -225,8 +235,12 @@ def main() -> None:
                 proc.start()
                 assert cparent.recv() == "go"
                 before = [cpu_seconds(p) for p in (pid, engine_pid, proc.pid)]
+                parent.send("counts")
+                batches_before = parent.recv()
                 assert cparent.recv() == "done"
                 after = [cpu_seconds(p) for p in (pid, engine_pid, proc.pid)]
+                parent.send("counts")
+                batches_after = parent.recv()
                 lat = np.array(cparent.recv()) * 1e3
                 proc.join(30)
                 n = len(lat)
@@ -246,6 +260,10 @@ def main() -> None:
                     "client_cpu_us_per_call": used[2] / max(n, 1) * 1e6,
                     "load_avg_1m": os.getloadavg()[0],
                 }
+                if slot is not None:
+                    b = [x - y for x, y in zip(batches_after[slot], batches_before[slot])]
+                    cell["rank_batch_calls"] = b[0]
+                    cell["mean_rank_batch"] = b[1] / max(b[0], 1)
                 cells.append(cell)
                 print(
                     f"round {r} {mode:7s}: {cell['throughput_rps']:7.0f} req/s, p50"
@@ -253,7 +271,8 @@ def main() -> None:
                     f" {cell['frontend_cpu_us_per_call']:.0f} us/call"
                     f" ({cell['frontend_cpu_share']:.2f} cores), engine stand-in"
                     f" {cell['engine_stand_in_cpu_us_per_call']:.0f}, client"
-                    f" {cell['client_cpu_us_per_call']:.0f} us/call",
+                    f" {cell['client_cpu_us_per_call']:.0f} us/call; RankBatch of"
+                    f" {cell.get('mean_rank_batch', 0):.1f}",
                     flush=True,
                 )
     finally:
