@@ -2,12 +2,13 @@
 (``server.frontend_mode``), in front of an engine that answers at once.
 
     .venv/bin/python bench/bench_frontend_cpu.py [--modes threads,aio[,bare-threads,bare-aio]]
-        [--concurrency 64] [--seconds 5] [--rounds 3] [--json PATH]
+        [--concurrency 64] [--seconds 5] [--rounds 3] [--engine-ms 0] [--json PATH]
 
 What the front end itself costs, without any model work: a stand-in engine process serves
 the private unix socket with the real ``GrpcServer`` (health SERVING, so the front ends
 mirror it) and a servicer whose ``RankBatch`` answers every request at once with a fixed
-10-item response. One front-end process per mode (``FrontEnds`` with ``server.frontends =
+10-item response (``--engine-ms``: after sleeping that long per RankBatch, a stand-in
+engine step, so batches grow as they do in front of a real engine). One front-end process per mode (``FrontEnds`` with ``server.frontends =
 1``: the real process, started as ``recmem serve`` starts it) sits in front of it. A client
 process (grpc.aio, closed loop, ``--concurrency`` callers on one channel, 100 candidates,
 k = 10) loads one front end at a time for ``--seconds``, the modes alternating over
@@ -56,10 +57,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def engine_stand_in(addresses: list[str], conn: Any) -> None:
+def engine_stand_in(addresses: list[str], engine_ms: float, conn: Any) -> None:
     """Child process: the real private ``GrpcServer`` on each of ``addresses``, whose
-    RankBatch answers each request with a fixed response at once. On "counts" it sends
-    [RankBatch calls, requests] per address."""
+    RankBatch answers each request with a fixed response, after sleeping ``engine_ms``
+    (0: at once). On "counts" it sends [RankBatch calls, requests] per address."""
     import grpc
 
     from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
@@ -78,6 +79,8 @@ def engine_stand_in(addresses: list[str], conn: Any) -> None:
 
         def RankBatch(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
             n = len(request.requests)
+            if engine_ms > 0:
+                time.sleep(engine_ms / 1000.0)
             self.counts[0] += 1
             self.counts[1] += n
             result = rank_pb2.RankBatchResult(code=0, response=response)
@@ -187,6 +190,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--engine-ms", type=float, default=0.0,
+                    help="the stand-in engine's time per RankBatch (0: answers at once)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "frontend_cpu.json"))
     args = ap.parse_args()
@@ -204,7 +209,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     engine = ctx.Process(
-        target=engine_stand_in, args=([f.engine_address for f in fronts.values()], child)
+        target=engine_stand_in,
+        args=([f.engine_address for f in fronts.values()], args.engine_ms, child),
     )
     engine.start()
     engine_pid = parent.recv()
@@ -306,7 +312,8 @@ def main() -> None:
             "rounds": args.rounds,
             "client": "one process, grpc.aio, closed loop, one channel; 100 candidates, k = 10",
             "engine": "a stand-in GrpcServer on the private unix socket: RankBatch answered "
-            "at once with a fixed 10-item response per request",
+            "with a fixed 10-item response per request after engine_ms_per_batch",
+            "engine_ms_per_batch": args.engine_ms,
             "frontend": "one front-end process (FrontEnds, server.frontends = 1) per mode, "
             "server defaults otherwise; bare-threads / bare-aio: a bare grpc.server (64 "
             "threads) / grpc.aio.server answering a fixed response, the Python gRPC floor "
