@@ -2,8 +2,9 @@
 the same engine in the same run.
 
     .venv/bin/python bench/bench_frontends.py [--frontends 0,2] [--concurrency 8,32]
-        [--replay 0,2] [--seconds 3] [--rounds 2] [--users N] [--events N] [--items N]
-        [--client-procs N] [--set section.field=value ...] [--json PATH]
+        [--replay 0,2] [--systems memory[,sasrec]] [--seconds 3] [--rounds 2] [--users N]
+        [--events N] [--items N] [--client-procs N] [--set section.field=value ...]
+        [--json PATH]
 
 A server process builds the memory engine of ``bench/bench_rank.py`` (default model shape,
 freshly initialised, 256 users with Zipf histories ingested through ``Engine.apply``),
@@ -14,6 +15,15 @@ client (``bench_rank.run_cell``: closed-loop threads on one channel per client p
 runs each cell (concurrency x R, 100 candidates, k = 10) against every setting in turn,
 ``--rounds`` times with the order alternating, so slow drifts of a shared machine fall on
 both. Per cell: p50/p99/mean, throughput, and the engine loop's mean micro-batch.
+
+``--systems memory,sasrec`` also serves the SASRec baseline of ``bench/bench_rank.py``
+(``SASRecRanker``: each request re-encodes its user's last 200 events, behind an engine
+loop of its own with the same micro-batching and the same servicer) in every front-end
+setting, the same way: each cell runs against every (system, setting) pair in turn, the
+order alternating. The summary then holds, per cell and setting, the SASRec/memory
+throughput ratio (issue 14's goal: memory >= 5x SASRec served the same way, so the ratio
+<= 0.2). SASRec has no notes: its cells with R > 0 are the same requests, the replay
+options ignored by its ranker.
 
 Writes PATH (default bench/results/frontends_cpu.json, or _gpu): machine, date, commit,
 command, load averages, cells. On a 2-core CPU the engine's rank step, the front ends and
@@ -37,11 +47,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_rank import build_memory_stack, cpu_name, run_cell
+from bench_rank import SASREC_WINDOW, SASRecRanker, build_memory_stack, cpu_name, run_cell
 from benchinfo import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+SYSTEMS = ("memory", "sasrec")
 
 
 def serve(args: argparse.Namespace, conn: Any) -> None:
@@ -51,26 +63,43 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
 
     import torch
 
+    from models.sasrec import SASRec, SASRecConfig
+    from recmem.engine import EngineLoop
     from recmem.server.app import RankServer
     from recmem.server.frontends import FrontEnds
 
     made = build_memory_stack(args)
     cfg, built, vocab = made["cfg"], made["built"], made["vocab"]
-    loop = built.loop.start()
+    loops = {"memory": (built.loop.start(), built.model_version)}
+    if "sasrec" in args.systems:
+        sasrec = SASRec(args.items, cfg.model.n_oov_buckets, SASRecConfig())
+        sasrec = sasrec.to(made["device"]).eval()
+        history = {u: h[0][-SASREC_WINDOW:] for u, h in made["hist"].items()}
+        s = cfg.server
+        sas_loop = EngineLoop(
+            SASRecRanker(sasrec, history),
+            window_ms=s.batch_window_ms,
+            max_batch=s.max_batch,
+            adaptive=s.adaptive_window,
+        )
+        loops["sasrec"] = (sas_loop.start(), "bench-sasrec")
     servers: list[Any] = []
     fronts: list[FrontEnds] = []
-    ports = {}
-    for n in args.frontends:
-        if n == 0:
-            srv = RankServer(cfg, loop, vocab, built.model_version).start()
-        else:
-            c = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, frontends=n))
-            front = FrontEnds(c)
-            srv = RankServer(c, loop, vocab, built.model_version,
-                             private=front.engine_address, port=front.port).start()  # fmt: skip
-            fronts.append(front.start())
-        servers.append(srv)
-        ports[n] = srv.port
+    ports: dict[str, dict[int, int]] = {}
+    for system in args.systems:
+        loop, version = loops[system]
+        ports[system] = {}
+        for n in args.frontends:
+            if n == 0:
+                srv = RankServer(cfg, loop, vocab, version).start()
+            else:
+                c = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, frontends=n))
+                front = FrontEnds(c)
+                srv = RankServer(c, loop, vocab, version,
+                                 private=front.engine_address, port=front.port).start()  # fmt: skip
+                fronts.append(front.start())
+            servers.append(srv)
+            ports[system][n] = srv.port
     conn.send(
         {
             "ports": ports,
@@ -82,18 +111,33 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
             "ingest": made["ingest"],
         }
     )
-    while conn.recv() != "stop":
-        c = loop.counts
+    while (msg := conn.recv()) != "stop":
+        c = loops[msg][0].counts
         conn.send({"batches": c.batches, "requests": c.requests, "busy_s": c.busy_seconds})
     for front in fronts:
         front.stop(1.0)
     for srv in servers:
         srv.stop(grace=1.0)
+    if "sasrec" in loops:
+        loops["sasrec"][0].stop()
     built.close()
 
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _systems(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names or any(n not in SYSTEMS for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a list of {', '.join(SYSTEMS)}")
+    return names
+
+
+def _key(system: str, n: int) -> str:
+    """A summary row's key for ``system`` behind ``n`` front ends (the memory service's keep
+    their names from before ``--systems``)."""
+    return f"frontends_{n}" if system == "memory" else f"{system}_frontends_{n}"
 
 
 def main() -> None:
@@ -103,6 +147,8 @@ def main() -> None:
     ap.add_argument("--frontends", type=_ints, default=(0, 2), help="settings, e.g. 0,2")
     ap.add_argument("--concurrency", type=_ints, default=(8, 32))
     ap.add_argument("--replay", type=_ints, default=(0, 2), help="R values, 0 = off")
+    ap.add_argument("--systems", type=_systems, default=("memory",),
+                    help="memory, and sasrec: the baseline served the same way")  # fmt: skip
     ap.add_argument("--seconds", type=float, default=3.0, help="measurement time per cell")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the cells")
     ap.add_argument("--users", type=int, default=256)
@@ -130,19 +176,20 @@ def main() -> None:
             for r in range(args.rounds):
                 for c in args.concurrency:
                     for replay in args.replay:
-                        order = list(args.frontends)
+                        order = [(sy, n) for n in args.frontends for sy in args.systems]
                         if (r + c + replay) % 2:
                             order.reverse()
-                        for n in order:
-                            parent.send("counts")
+                        for system, n in order:
+                            parent.send(system)
                             before = parent.recv()
-                            cell = run_cell(info["ports"][n], c, "cand100", replay, args.seconds,
-                                            args.users, args.items, seed=c,
+                            cell = run_cell(info["ports"][system][n], c, "cand100", replay,
+                                            args.seconds, args.users, args.items, seed=c,
                                             procs=args.client_procs)  # fmt: skip
-                            parent.send("counts")
+                            parent.send(system)
                             after = parent.recv()
                             batches = after["batches"] - before["batches"]
                             cell.update(
+                                system=system,
                                 frontends=n,
                                 concurrency=c,
                                 replay_notes=replay,
@@ -155,7 +202,7 @@ def main() -> None:
                             )
                             cells.append(cell)
                             print(
-                                f"round {r} frontends={n} c={c:2d} R={replay}: p50"
+                                f"round {r} {system:6s} frontends={n} c={c:2d} R={replay}: p50"
                                 f" {cell['p50_ms']:6.2f} ms p99 {cell['p99_ms']:6.2f} ms"
                                 f" {cell['throughput_rps']:7.1f} req/s engine batch"
                                 f" {cell['mean_engine_batch']:.1f} load {cell['load_avg_1m']:.1f}",
@@ -170,15 +217,21 @@ def main() -> None:
     for c in args.concurrency:
         for replay in args.replay:
             row: dict[str, Any] = {"concurrency": c, "replay_notes": replay}
-            for n in args.frontends:
-                got = [x for x in cells if (x["frontends"], x["concurrency"], x["replay_notes"])
-                       == (n, c, replay)]  # fmt: skip
-                row[f"frontends_{n}"] = {
-                    "throughput_rps": float(np.mean([x["throughput_rps"] for x in got])),
-                    "p50_ms": float(np.mean([x["p50_ms"] for x in got])),
-                    "p99_ms": float(np.mean([x["p99_ms"] for x in got])),
-                    "mean_engine_batch": float(np.mean([x["mean_engine_batch"] for x in got])),
-                }
+            for system in args.systems:
+                for n in args.frontends:
+                    got = [x for x in cells if (x["system"], x["frontends"], x["concurrency"],
+                           x["replay_notes"]) == (system, n, c, replay)]  # fmt: skip
+                    row[_key(system, n)] = {
+                        "throughput_rps": float(np.mean([x["throughput_rps"] for x in got])),
+                        "p50_ms": float(np.mean([x["p50_ms"] for x in got])),
+                        "p99_ms": float(np.mean([x["p99_ms"] for x in got])),
+                        "mean_engine_batch": float(np.mean([x["mean_engine_batch"] for x in got])),
+                    }
+            if "sasrec" in args.systems and "memory" in args.systems:
+                for n in args.frontends:
+                    row[f"sasrec_over_memory_throughput_frontends_{n}"] = row[_key("sasrec", n)][
+                        "throughput_rps"
+                    ] / max(row[_key("memory", n)]["throughput_rps"], 1e-9)
             summary.append(row)
     gpu = info["device"].startswith("cuda")
     result = {
@@ -189,7 +242,10 @@ def main() -> None:
         "note": (
             "frontends 0 = the one-process server; N = the engine's server on a private unix "
             "socket behind N front-end processes sharing one port (server.frontends). Both "
-            "serve the same engine in the same run, cells alternating. "
+            "serve the same engine in the same run, cells alternating. summary keys "
+            "frontends_N are the memory service, sasrec_frontends_N the SASRec baseline "
+            "(bench_rank.SASRecRanker, last 200 events re-encoded per request) served the "
+            "same way, sasrec_over_memory_throughput_frontends_N their ratio. "
             + (
                 ""
                 if gpu
@@ -218,6 +274,8 @@ def main() -> None:
             "client": "one process, a thread per concurrent caller, one channel",
             "overrides": args.set,
             "ingest": info["ingest"],
+            "systems": list(args.systems),
+            "sasrec_window": SASREC_WINDOW if "sasrec" in args.systems else None,
         },
         "summary": summary,
         "cells": cells,
@@ -229,15 +287,22 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print()
-    print("| c | R | " + " | ".join(f"frontends {n}: req/s, p50, p99 ms, engine batch"
-                                    for n in args.frontends) + " |")  # fmt: skip
+    keys = [(system, n) for system in args.systems for n in args.frontends]
+    print("| c | R | " + " | ".join(f"{system} frontends {n}: req/s, p50, p99 ms, engine batch"
+                                    for system, n in keys) + " |")  # fmt: skip
     for row in summary:
         parts = [
-            f"{row[f'frontends_{n}']['throughput_rps']:.0f}, {row[f'frontends_{n}']['p50_ms']:.1f},"
-            f" {row[f'frontends_{n}']['p99_ms']:.1f}, {row[f'frontends_{n}']['mean_engine_batch']:.1f}"
-            for n in args.frontends
+            f"{row[_key(*k)]['throughput_rps']:.0f}, {row[_key(*k)]['p50_ms']:.1f},"
+            f" {row[_key(*k)]['p99_ms']:.1f}, {row[_key(*k)]['mean_engine_batch']:.1f}"
+            for k in keys
         ]
-        print(f"| {row['concurrency']} | {row['replay_notes']} | " + " | ".join(parts) + " |")
+        ratios = [
+            f"SASRec/memory at frontends {n}: {row[f'sasrec_over_memory_throughput_frontends_{n}']:.3f}"
+            for n in args.frontends
+            if f"sasrec_over_memory_throughput_frontends_{n}" in row
+        ]
+        print(f"| {row['concurrency']} | {row['replay_notes']} | " + " | ".join(parts) + " |"
+              + ("  " + "; ".join(ratios) if ratios else ""))  # fmt: skip
     print(f"wrote {path}")
 
 

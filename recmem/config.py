@@ -326,6 +326,13 @@ class ServerConfig:
     calls into one RankBatch to the engine each, and pass the other calls through
     (docs/serving.md, "Front-end processes"): the per-call gRPC work spreads over N
     processes. Restarted when one dies (at most 5 times a minute each)."""
+    frontend_mode: str = "threads"
+    """How a front-end process of ``frontends`` answers calls: threads = a sync gRPC server,
+    a handler thread per call (``threads`` of them) handing requests to a batching thread |
+    aio = one asyncio event loop answers every call and awaits the engine process's
+    RankBatch (grpc.aio), with no thread hand-off per call. The same answers, statuses,
+    security, health, drain and metrics either way (docs/serving.md, "Front-end
+    processes")."""
     request_timeout_s: float = 30.0
     """Longest a rank call waits for its micro-batch (the client deadline applies if shorter)."""
     shutdown_grace_s: float = 5.0

@@ -131,6 +131,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kafka.assignor": ("cooperative-sticky", "range", "roundrobin"),
     "kafka.client": ("kafka-python", "confluent"),
     "server.routing": ("forward", "redirect"),
+    "server.frontend_mode": ("threads", "aio"),
 }
 """``section.field`` -> its allowed values. ``memory.backend``, ``memory.train_backend``,
 ``model.hybrid``, ``model.request_time``, ``model.replay_fusion``, ``memory.unlock`` and

@@ -31,7 +31,7 @@ def test_a_front_end_process_never_imports_torch_or_the_engine() -> None:
     """``server.frontends`` runs ``python -m recmem.server.frontend`` N times: each stays a
     light gRPC process (recmem.server's names and app.py's servicer load on first use)."""
     code = (
-        "import sys, recmem.server.frontend, recmem.server.app; "
+        "import sys, recmem.server.frontend, recmem.server.frontend_aio, recmem.server.app; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'faiss', 'kafka')"
         " or m.startswith(('recmem.engine', 'recmem.ranking', 'recmem.server.servicer')));"
         "assert not bad, bad"

@@ -3,9 +3,10 @@ the requests), standard health checking and reflection, optional TLS and bearer 
 graceful stop.
 
 ``GrpcServer`` is the server around any RecMem servicer (the front-end processes of
-``server.frontends`` build theirs with it, recmem/server/frontend.py); ``RankServer`` is the
-one around the engine loop. This module imports neither torch nor the engine at import
-time, so that a front-end process stays light."""
+``server.frontends`` build theirs with it, recmem/server/frontend.py); ``AioGrpcServer`` the
+same on ``grpc.aio`` (the asyncio front end of ``server.frontend_mode = "aio"``);
+``RankServer`` is the one around the engine loop. This module imports neither torch nor the
+engine at import time, so that a front-end process stays light."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import gc
 import logging
 import time
 from concurrent import futures
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,8 +22,12 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.config import Config
-from recmem.server.auth import BearerTokenInterceptor, server_credentials
-from recmem.server.guards import CallArrivals, DecodeGuard
+from recmem.server.auth import (
+    AioBearerTokenInterceptor,
+    BearerTokenInterceptor,
+    server_credentials,
+)
+from recmem.server.guards import AioCallArrivals, AioDecodeGuard, CallArrivals, DecodeGuard
 from recmem.server.metrics import RankMetrics
 
 if TYPE_CHECKING:
@@ -78,6 +83,48 @@ def settle_heap() -> float:
     return took
 
 
+def _options(cfg: Config, private: str, reuse_port: bool) -> list[tuple[str, int]]:
+    options = [("grpc.max_receive_message_length", -1 if private else cfg.server.max_message_bytes)]
+    if reuse_port:
+        options.append(("grpc.so_reuseport", 1))
+    return options
+
+
+def _listen(server: Any, cfg: Config, private: str, port: int | None) -> int:
+    """Bind ``server`` (a grpc.Server or grpc.aio.Server) as ``GrpcServer`` describes;
+    returns the port it serves (with ``private``: the public one)."""
+    s = cfg.server
+    if private:
+        if server.add_insecure_port(private) == 0:
+            raise ValueError(f"cannot listen on {private}")
+        return s.port if port is None else port
+    address = f"{s.host}:{s.port if port is None else port}"
+    if s.tls_cert:
+        bound: int = server.add_secure_port(address, server_credentials(s.tls_cert, s.tls_key))
+    else:
+        if s.tls_key:
+            raise ValueError("server.tls_key is set but server.tls_cert is empty")
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise ValueError(f"cannot listen on {address}")
+    return bound
+
+
+def _log_started(cfg: Config, port: int, tls: bool) -> None:
+    log.info(
+        "rank service on %s:%d (%s%s)",
+        cfg.server.host,
+        port,
+        "TLS" if tls else "plaintext",
+        ", bearer token" if cfg.server.auth_token else "",
+    )
+    if cfg.server.auth_token and not tls:
+        log.warning(
+            "server.auth_token is set but TLS is off: the bearer token crosses the network "
+            "in clear text (set server.tls_cert and server.tls_key)"
+        )
+
+
 class GrpcServer:
     """Owns a grpc.Server serving ``servicer`` (the RecMem API) with the health servicer,
     reflection and the interceptors (call arrivals, bearer token, undecodable payloads).
@@ -113,15 +160,10 @@ class GrpcServer:
         if s.auth_token and not private:
             interceptors.append(BearerTokenInterceptor(s.auth_token))
         interceptors.append(guard)
-        options: list[tuple[str, int]] = [
-            ("grpc.max_receive_message_length", -1 if private else s.max_message_bytes)
-        ]
-        if reuse_port:
-            options.append(("grpc.so_reuseport", 1))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.threads, thread_name_prefix="grpc"),
             interceptors=interceptors,
-            options=options,
+            options=_options(cfg, private, reuse_port),
         )
         rank_pb2_grpc.add_RecMemServicer_to_server(servicer, self.server)  # type: ignore[no-untyped-call]
         self.health = health.HealthServicer()
@@ -130,22 +172,7 @@ class GrpcServer:
         reflection.enable_server_reflection(names, self.server)
         self.private = private
         self.tls = bool(s.tls_cert) and not private
-        if private:
-            if self.server.add_insecure_port(private) == 0:
-                raise ValueError(f"cannot listen on {private}")
-            self.port = s.port if port is None else port
-        else:
-            address = f"{s.host}:{s.port if port is None else port}"
-            if s.tls_cert:
-                self.port = self.server.add_secure_port(
-                    address, server_credentials(s.tls_cert, s.tls_key)
-                )
-            else:
-                if s.tls_key:
-                    raise ValueError("server.tls_key is set but server.tls_cert is empty")
-                self.port = self.server.add_insecure_port(address)
-            if self.port == 0:
-                raise ValueError(f"cannot listen on {address}")
+        self.port = _listen(self.server, cfg, private, port)
         self.address = advertised_address(s.advertised_address, s.host, self.port)
         """Where the other instances and clients reach this service (with ``private``: the
         public port the front ends serve)."""
@@ -162,18 +189,7 @@ class GrpcServer:
         if self.private:
             log.info("rank service on %s (private, for the front ends)", self.private)
             return self
-        log.info(
-            "rank service on %s:%d (%s%s)",
-            self.cfg.server.host,
-            self.port,
-            "TLS" if self.tls else "plaintext",
-            ", bearer token" if self.cfg.server.auth_token else "",
-        )
-        if self.cfg.server.auth_token and not self.tls:
-            log.warning(
-                "server.auth_token is set but TLS is off: the bearer token crosses the network "
-                "in clear text (set server.tls_cert and server.tls_key)"
-            )
+        _log_started(self.cfg, self.port, self.tls)
         return self
 
     def mark_ready(self) -> None:
@@ -204,6 +220,67 @@ class GrpcServer:
         self.health.enter_graceful_shutdown()
         self.arrivals.wait_quiet(DRAIN_QUIET_S, deadline - min(1.0, grace / 2))
         self.server.stop(max(0.0, deadline - time.monotonic())).wait()
+        log.info("rank service stopped")
+
+
+class AioGrpcServer:
+    """``GrpcServer`` on ``grpc.aio``, public only (the asyncio front end's): one event loop
+    answers every call, the servicer's methods being coroutines. The same interceptors
+    (their aio forms), health (grpc_health's asyncio servicer), reflection, TLS, bearer
+    token, message size limit and ``reuse_port``; ``start``, ``set_serving`` and ``stop``
+    (the same drain) are coroutines. Build it inside the running event loop."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        servicer: rank_pb2_grpc.RecMemServicer,
+        metrics: RankMetrics | None = None,
+        *,
+        port: int | None = None,
+        reuse_port: bool = False,
+    ) -> None:
+        from grpc_health.v1 import _async as health_async
+
+        s = cfg.server
+        self.cfg = cfg
+        self.metrics = metrics if metrics is not None else RankMetrics()
+        self.arrivals = AioCallArrivals()
+        guard = AioDecodeGuard(lambda method: self.metrics.undecodable.labels(method=method).inc())
+        interceptors: list[grpc.aio.ServerInterceptor] = [self.arrivals]
+        if s.auth_token:
+            interceptors.append(AioBearerTokenInterceptor(s.auth_token))
+        interceptors.append(guard)
+        self.server = grpc.aio.server(
+            interceptors=interceptors, options=_options(cfg, "", reuse_port)
+        )
+        rank_pb2_grpc.add_RecMemServicer_to_server(servicer, self.server)  # type: ignore[no-untyped-call]
+        self.health = health_async.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        self.tls = bool(s.tls_cert)
+        self.port = _listen(self.server, cfg, "", port)
+
+    async def start(self, ready: bool = True) -> AioGrpcServer:
+        """Start listening; ``ready``: as ``GrpcServer.start`` (no heap settling here)."""
+        await self.server.start()
+        await self.set_serving(ready)
+        _log_started(self.cfg, self.port, self.tls)
+        return self
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status.SERVING if serving else status.NOT_SERVING)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """``GrpcServer.stop``: NOT_SERVING at once, answer until no call has arrived for
+        DRAIN_QUIET_S, then close the port and let running calls finish, within ``grace``."""
+        grace = self.cfg.server.shutdown_grace_s if grace is None else grace
+        deadline = time.monotonic() + grace
+        await self.health.enter_graceful_shutdown()
+        await self.arrivals.wait_quiet_async(DRAIN_QUIET_S, deadline - min(1.0, grace / 2))
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
         log.info("rank service stopped")
 
 

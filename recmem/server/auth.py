@@ -2,7 +2,8 @@
 optional bearer token (server.auth_token) checked by a server interceptor.
 
 Health checking and reflection stay open without the token, so that load balancers and
-tooling can probe the service; only the RecMem methods require it.
+tooling can probe the service; only the RecMem methods require it. ``AioBearerTokenInterceptor``
+is the same check for a ``grpc.aio`` server (the asyncio front end).
 """
 
 from __future__ import annotations
@@ -33,22 +34,50 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
             raise ValueError("BearerTokenInterceptor needs a non-empty token")
         self._expected = f"Bearer {token}".encode()
 
+    def refusal(self, handler_call_details: grpc.HandlerCallDetails) -> str | None:
+        """Why the call is refused (None: it may go on)."""
+        method = handler_call_details.method  # type: ignore[attr-defined]
+        if not method.startswith(PROTECTED_PREFIX):
+            return None
+        metadata = handler_call_details.invocation_metadata or ()  # type: ignore[attr-defined]
+        values = [v for k, v in metadata if k == "authorization"]
+        if not values:
+            return "missing 'authorization: Bearer <token>' metadata"
+        got = values[0].encode() if isinstance(values[0], str) else bytes(values[0])
+        if not hmac.compare_digest(got, self._expected):
+            return "invalid bearer token"
+        return None
+
     def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        method = handler_call_details.method  # type: ignore[attr-defined]
-        if not method.startswith(PROTECTED_PREFIX):
-            return continuation(handler_call_details)
-        metadata = handler_call_details.invocation_metadata or ()  # type: ignore[attr-defined]
-        values = [v for k, v in metadata if k == "authorization"]
-        if not values:
-            return _deny("missing 'authorization: Bearer <token>' metadata")
-        got = values[0].encode() if isinstance(values[0], str) else bytes(values[0])
-        if not hmac.compare_digest(got, self._expected):
-            return _deny("invalid bearer token")
+        refused = self.refusal(handler_call_details)
+        if refused is not None:
+            return _deny(refused)
         return continuation(handler_call_details)
+
+
+def _deny_async(message: str) -> grpc.RpcMethodHandler:
+    async def abort(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class AioBearerTokenInterceptor(BearerTokenInterceptor, grpc.aio.ServerInterceptor):
+    """``BearerTokenInterceptor`` for a ``grpc.aio`` server."""
+
+    async def intercept_service(  # type: ignore[override]
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        refused = self.refusal(handler_call_details)
+        if refused is not None:
+            return _deny_async(refused)
+        return await continuation(handler_call_details)  # type: ignore[no-any-return]
 
 
 def server_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:

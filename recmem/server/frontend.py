@@ -24,6 +24,10 @@ Run as ``python -m recmem.server.frontend``: the first line of stdin is the JSON
 ``[server]`` section, the engine's address, the port, the log level); the process prints
 ``ready`` once it listens, and stops (draining, within the grace given) on the stdin line
 ``stop <grace_s>`` or at end of file (the service is gone). Imports no torch and no engine.
+
+This module is the ``server.frontend_mode = "threads"`` front end (a sync ``grpc.server``,
+a handler thread per call, a batching thread); ``"aio"`` runs the same front end on one
+asyncio event loop (recmem/server/frontend_aio.py).
 """
 
 from __future__ import annotations
@@ -200,6 +204,35 @@ class RankBatcher:
             fut.add_done_callback(lambda f, calls=calls: done(calls, f))
 
 
+def status_code(code: int) -> grpc.StatusCode:
+    """The status of a RankBatchResult's ``code``."""
+    return _CODES.get(code, grpc.StatusCode.UNKNOWN)
+
+
+def failure_trailing(res: rank_pb2.RankBatchResult) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata Rank answers a failed RankBatchResult with."""
+    trailing: list[tuple[str, str]] = []
+    if res.owner:
+        trailing.append((OWNER, res.owner))
+    if res.retry_pushback_ms:
+        trailing.append((RETRY_PUSHBACK, str(res.retry_pushback_ms)))
+    if res.HasField("partition"):
+        trailing.append((PARTITION, str(res.partition)))
+    if res.HasField("generation"):
+        trailing.append((GENERATION, str(res.generation)))
+    return tuple(trailing)
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """Options of a front end's channel to the engine process: no message size limit (a
+    RankBatch answer holds many responses), no retries (the caller's client retries)."""
+    return [
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.enable_retries", 0),
+    ]
+
+
 def _abort(
     context: grpc.ServicerContext,
     code: grpc.StatusCode,
@@ -299,16 +332,7 @@ class FrontEndServicer(rank_pb2_grpc.RecMemServicer):
             _abort_as(context, e)
         if res.code == 0:
             return res.response
-        trailing: list[tuple[str, str]] = []
-        if res.owner:
-            trailing.append((OWNER, res.owner))
-        if res.retry_pushback_ms:
-            trailing.append((RETRY_PUSHBACK, str(res.retry_pushback_ms)))
-        if res.HasField("partition"):
-            trailing.append((PARTITION, str(res.partition)))
-        if res.HasField("generation"):
-            trailing.append((GENERATION, str(res.generation)))
-        _abort(context, _CODES.get(res.code, grpc.StatusCode.UNKNOWN), res.message, tuple(trailing))
+        _abort(context, status_code(res.code), res.message, failure_trailing(res))
 
     def _pass(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
         forwarded = self._forwarded(context)
@@ -343,14 +367,7 @@ class FrontEnd:
     (a gRPC address), on ``port`` of ``server.host`` shared with the other front ends."""
 
     def __init__(self, cfg: Config, engine: str, port: int) -> None:
-        self.channel = grpc.insecure_channel(
-            engine,
-            options=[
-                ("grpc.max_receive_message_length", -1),
-                ("grpc.max_send_message_length", -1),
-                ("grpc.enable_retries", 0),
-            ],
-        )
+        self.channel = grpc.insecure_channel(engine, options=channel_options())
         metrics = FrontEndMetrics() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
         self.servicer = FrontEndServicer(self.channel, cfg, metrics)
         self.server = GrpcServer(cfg, self.servicer, port=port, reuse_port=True)
@@ -399,6 +416,14 @@ def main() -> int:
     # whole process group, and a front end must not quit before the service drains it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg = Config.from_dict({"server": spec["server"]})
+    if cfg.server.frontend_mode == "aio":
+        import asyncio
+
+        from recmem.server.frontend_aio import serve
+
+        metrics = FrontEndMetrics() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
+        asyncio.run(serve(cfg, spec, metrics))
+        return 0
     front = FrontEnd(cfg, spec["engine"], int(spec["port"])).start()
     stop = threading.Event()
     grace = [cfg.server.shutdown_grace_s]

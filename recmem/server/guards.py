@@ -6,10 +6,14 @@
   the log cheap; here such calls log at most one line per ``log_every_s``, with a count.
 - ``CallArrivals``: when the latest RecMem call arrived, so that a stopping server can keep
   answering until the calls stop coming (``RankServer.stop``).
+
+``AioDecodeGuard`` and ``AioCallArrivals`` are the same for a ``grpc.aio`` server (the
+asyncio front end, ``server.frontend_mode = "aio"``), whose handlers are coroutines.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
@@ -56,14 +60,7 @@ class DecodeGuard(grpc.ServerInterceptor):
         method: str = handler_call_details.method  # type: ignore[attr-defined]
         if handler is None or handler.unary_unary is None or not method.startswith(RECMEM_PREFIX):
             return handler
-        parse = handler.request_deserializer
         behaviour = handler.unary_unary
-
-        def tolerant(data: bytes) -> Any:
-            try:
-                return parse(data) if parse is not None else data
-            except Exception as e:  # noqa: BLE001 - whatever the parser raises, the call is bad
-                return Undecodable(e)
 
         def guarded(request: Any, context: grpc.ServicerContext) -> Any:
             if isinstance(request, Undecodable):
@@ -74,7 +71,9 @@ class DecodeGuard(grpc.ServerInterceptor):
                 )
             return behaviour(request, context)
 
-        return handler._replace(request_deserializer=tolerant, unary_unary=guarded)  # type: ignore[attr-defined, no-any-return]
+        return handler._replace(  # type: ignore[attr-defined, no-any-return]
+            request_deserializer=_tolerant(handler.request_deserializer), unary_unary=guarded
+        )
 
     def _reject(self, method: str, error: Exception) -> None:
         if self._on_reject is not None:
@@ -92,6 +91,46 @@ class DecodeGuard(grpc.ServerInterceptor):
             self._log_every_s,
             method,
             error,
+        )
+
+
+def _tolerant(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    """``parse``, answering ``Undecodable`` instead of raising."""
+
+    def tolerant(data: bytes) -> Any:
+        try:
+            return parse(data) if parse is not None else data
+        except Exception as e:  # noqa: BLE001 - whatever the parser raises, the call is bad
+            return Undecodable(e)
+
+    return tolerant
+
+
+class AioDecodeGuard(DecodeGuard, grpc.aio.ServerInterceptor):
+    """``DecodeGuard`` for a ``grpc.aio`` server: the same answer from a coroutine."""
+
+    async def intercept_service(  # type: ignore[override]
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        if handler is None or handler.unary_unary is None or not method.startswith(RECMEM_PREFIX):
+            return handler  # type: ignore[no-any-return]
+        behaviour = handler.unary_unary
+
+        async def guarded(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if isinstance(request, Undecodable):
+                self._reject(method, request.error)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the request payload does not parse: {request.error}",
+                )
+            return await behaviour(request, context)
+
+        return handler._replace(  # type: ignore[no-any-return]
+            request_deserializer=_tolerant(handler.request_deserializer), unary_unary=guarded
         )
 
 
@@ -120,3 +159,27 @@ class CallArrivals(grpc.ServerInterceptor):
             if now >= deadline:
                 return False
             time.sleep(min(self.latest + quiet_s, deadline) - now)
+
+
+class AioCallArrivals(CallArrivals, grpc.aio.ServerInterceptor):
+    """``CallArrivals`` for a ``grpc.aio`` server, with a waiting that does not block its
+    event loop."""
+
+    async def intercept_service(  # type: ignore[override]
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        if handler_call_details.method.startswith(RECMEM_PREFIX):  # type: ignore[attr-defined]
+            self.latest = time.monotonic()
+        return await continuation(handler_call_details)  # type: ignore[no-any-return]
+
+    async def wait_quiet_async(self, quiet_s: float, deadline: float) -> bool:
+        """``wait_quiet`` on the event loop."""
+        while True:
+            now = time.monotonic()
+            if now - self.latest >= quiet_s:
+                return True
+            if now >= deadline:
+                return False
+            await asyncio.sleep(min(self.latest + quiet_s, deadline) - now)

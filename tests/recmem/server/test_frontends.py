@@ -4,7 +4,8 @@ processes.
 
 The single-process answer to compare with is the engine process's own server, on its
 private socket: the same ``RecMemServicer`` over the same engine that ``recmem serve``
-with ``server.frontends = 0`` serves on the public port."""
+with ``server.frontends = 0`` serves on the public port. Every test runs for each
+``server.frontend_mode`` (threads, aio)."""
 
 from __future__ import annotations
 
@@ -26,19 +27,23 @@ from recmem.server.serve import RecMemService
 from tests.recmem.rank_env import make_env
 
 TIMEOUT = 20.0
+MODES = ("threads", "aio")
 
 
-def start_service(tmp: Path, frontends: int = 2, token: str = "") -> RecMemService:
+def start_service(tmp: Path, mode: str, frontends: int = 2, token: str = "") -> RecMemService:
     env = make_env(tmp / "spill")
     env.cfg.server.frontends = frontends
+    env.cfg.server.frontend_mode = mode
     env.cfg.server.metrics_port = 0
     env.cfg.server.auth_token = token
     return RecMemService(env.cfg, ingest=False, built=env.built).start()
 
 
-@pytest.fixture(scope="module")
-def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RecMemService]:
-    service = start_service(tmp_path_factory.mktemp("frontends"))
+@pytest.fixture(scope="module", params=MODES)
+def svc(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[RecMemService]:
+    service = start_service(tmp_path_factory.mktemp("frontends"), request.param)
     yield service
     service.stop(grace=1.0)
 
@@ -210,8 +215,9 @@ def test_health_follows_the_engine(svc: RecMemService) -> None:
         wait_for(health_pb2.HealthCheckResponse.SERVING)
 
 
-def test_the_bearer_token_is_checked_at_the_front_end(tmp_path: Path) -> None:
-    svc = start_service(tmp_path, token="s3cret")
+@pytest.mark.parametrize("mode", MODES)
+def test_the_bearer_token_is_checked_at_the_front_end(tmp_path: Path, mode: str) -> None:
+    svc = start_service(tmp_path, mode, token="s3cret")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
             stub = rank_pb2_grpc.RecMemStub(ch)  # type: ignore[no-untyped-call]
@@ -238,8 +244,9 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_a_killed_front_end_is_replaced_and_stop_ends_them_all(tmp_path: Path) -> None:
-    svc = start_service(tmp_path)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_killed_front_end_is_replaced_and_stop_ends_them_all(tmp_path: Path, mode: str) -> None:
+    svc = start_service(tmp_path, mode)
     fronts = svc.frontends
     assert fronts is not None
     address = f"127.0.0.1:{svc.port}"

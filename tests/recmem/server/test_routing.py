@@ -36,13 +36,14 @@ def wait_until(pred, timeout_s: float, what: str) -> None:
 
 
 @pytest.fixture(
-    params=[(0, 0), (2, 0), (0, 2)], ids=["one-process", "b-frontends", "b-consumer-processes"]
+    params=[(0, 0, "threads"), (2, 0, "threads"), (2, 0, "aio"), (0, 2, "threads")],
+    ids=["one-process", "b-frontends", "b-frontends-aio", "b-consumer-processes"],
 )
 def pair(request, tmp_path, kafka_config):
     """Services a (forward) and b (redirect; with ``server.frontends`` = the param's first
-    value: its answers, redirects included, come through front-end processes; with
-    ``kafka.consumer_processes`` = its second: b is two members of the group, in processes
-    of their own, that feed b's one engine)."""
+    value: its answers, redirects included, come through front-end processes, of
+    ``server.frontend_mode`` = its third; with ``kafka.consumer_processes`` = its second: b
+    is two members of the group, in processes of their own, that feed b's one engine)."""
     env = make_env(tmp_path / "spill-env", n_users=1)
     cfg = env.cfg
     cfg.kafka = kafka_config(partitions=4)
@@ -63,7 +64,9 @@ def pair(request, tmp_path, kafka_config):
         producer.send(events, progress=False)
     cfg_b = copy.deepcopy(cfg)
     cfg_b.server.routing = "redirect"
-    cfg_b.server.frontends, cfg_b.kafka.consumer_processes = request.param
+    cfg_b.server.frontends, cfg_b.kafka.consumer_processes, cfg_b.server.frontend_mode = (
+        request.param
+    )
     a = RecMemService(cfg, device="cpu").start()
     b = RecMemService(cfg_b, device="cpu").start()
     try:

@@ -1,0 +1,391 @@
+"""The asyncio front end of ``server.frontend_mode = "aio"`` (docs/serving.md, "Front-end
+processes"): the front end of recmem/server/frontend.py on ``grpc.aio``.
+
+The threads front end wakes a handler thread per Rank call, which hands the request to the
+batching thread and waits on a future the gRPC callback thread completes: three thread
+hand-offs per call, each a GIL transfer. Here one event loop thread does all of it: each
+Rank call is a coroutine that puts its request on the batcher's queue and awaits its own
+future; the batcher (``AioRankBatcher``, an asyncio task) collects the calls as
+``RankBatcher`` does (the same rule, ``IN_FLIGHT`` batches at most) and awaits the engine
+process's ``RankBatch`` on a ``grpc.aio`` channel, answering each caller's future. What a
+caller sees is what the threads front end answers: the same server construction
+(``AioGrpcServer``: TLS, bearer token, message size limit, undecodable payloads, health,
+reflection, the drain), the same statuses, messages and trailing metadata, deadlines,
+metrics and passthrough of RankBatch, InspectUser and Routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
+from recmem.config import Config
+from recmem.server.app import AioGrpcServer
+from recmem.server.frontend import (
+    IN_FLIGHT,
+    FrontEndMetrics,
+    channel_options,
+    failure_trailing,
+    status_code,
+)
+from recmem.server.routing import FORWARDED
+
+log = logging.getLogger(__name__)
+
+
+class _Expired(Exception):
+    """A caller's deadline passed before its batch answered."""
+
+
+@dataclass
+class _Call:
+    request: rank_pb2.RankRequest
+    forwarded: str
+    deadline: float
+    """monotonic seconds"""
+    result: asyncio.Future[rank_pb2.RankBatchResult]
+
+
+class AioRankBatcher:
+    """``RankBatcher`` (recmem/server/frontend.py) as an asyncio task on the running loop:
+    the same collection rule (first queued call, at most ``IN_FLIGHT`` batches in flight,
+    what queued meanwhile up to ``max_requests``, the window, the adaptive close), one
+    ``RankBatch`` per ``recmem-forwarded`` value, awaited on the aio ``stub``. A call whose
+    future is done before its batch is sent (its deadline passed, its caller went away) is
+    left out."""
+
+    def __init__(self, stub: Any, *, max_requests: int, window_ms: float, adaptive: bool):
+        self._stub = stub
+        self._max = max_requests
+        self._window_s = window_ms / 1000.0
+        self._adaptive = adaptive
+        self._queue: collections.deque[_Call | None] = collections.deque()
+        self._wake = asyncio.Event()
+        self._in_flight = asyncio.Semaphore(IN_FLIGHT)
+        self._sending: set[asyncio.Task[None]] = set()
+        self._last_size = 1
+        self._expected = 1
+        self.batches = 0
+        self.requests = 0
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="rank-batcher")
+
+    def submit(
+        self, request: rank_pb2.RankRequest, forwarded: str, deadline: float
+    ) -> asyncio.Future[rank_pb2.RankBatchResult]:
+        call = _Call(request, forwarded, deadline, asyncio.get_running_loop().create_future())
+        self._queue.append(call)
+        self._wake.set()
+        return call.result
+
+    async def close(self) -> None:
+        """Send what is queued, wait for the batches in flight, end the batching task."""
+        self._queue.append(None)
+        self._wake.set()
+        await self._task
+        if self._sending:
+            await asyncio.gather(*self._sending, return_exceptions=True)
+
+    async def _next(self, timeout: float | None) -> _Call | None | bool:
+        """The next queued item, or False when none came within ``timeout`` (None: wait)."""
+        if not self._queue:
+            if timeout is not None and timeout <= 0:
+                return False
+            end = None if timeout is None else time.monotonic() + timeout
+            while not self._queue:
+                self._wake.clear()
+                if end is None:
+                    await self._wake.wait()
+                    continue
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except TimeoutError:
+                    return False
+        return self._queue.popleft()
+
+    async def _run(self) -> None:
+        while True:
+            first = await self._next(None)
+            if first is None:
+                return
+            assert isinstance(first, _Call)
+            await self._in_flight.acquire()
+            batch, closing = await self._collect(first)
+            self._send(batch)
+            if closing:
+                return
+
+    async def _collect(self, first: _Call) -> tuple[list[_Call], bool]:
+        batch = [first]
+        wait, enough = self._window_s, self._max
+        if self._adaptive:
+            if self._last_size <= 1 and not self._queue:
+                wait = 0.0
+            enough = min(self._expected, self._max)
+        deadline = time.monotonic() + wait
+        closing = False
+        while len(batch) < self._max:
+            remaining = deadline - time.monotonic() if len(batch) < enough else 0.0
+            call = await self._next(remaining)
+            if call is False:
+                break
+            if call is None:
+                closing = True
+                break
+            assert isinstance(call, _Call)
+            batch.append(call)
+        self._last_size = len(batch)
+        self._expected = max(1, len(batch) + len(self._queue))
+        return batch, closing
+
+    def _send(self, batch: list[_Call]) -> None:
+        groups: dict[str, list[_Call]] = {}
+        for c in batch:
+            if not c.result.done():
+                groups.setdefault(c.forwarded, []).append(c)
+        if not groups:
+            self._in_flight.release()
+            return
+        self.batches += 1
+        self.requests += sum(len(g) for g in groups.values())
+        left = [len(groups)]
+        now = time.monotonic()
+        for forwarded, calls in groups.items():
+            timeout = max(max(c.deadline for c in calls) - now, 0.001)
+            task = asyncio.get_running_loop().create_task(
+                self._rank_batch(calls, forwarded, timeout, left)
+            )
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _rank_batch(
+        self, calls: list[_Call], forwarded: str, timeout: float, left: list[int]
+    ) -> None:
+        metadata = ((FORWARDED, forwarded),) if forwarded else ()
+        request = rank_pb2.RankBatchRequest(requests=[c.request for c in calls])
+        try:
+            response = await self._stub.RankBatch(request, timeout=timeout, metadata=metadata)
+            results = list(response.results)
+            if len(results) != len(calls):
+                raise RuntimeError(f"{len(results)} results for {len(calls)} requests")
+            for c, r in zip(calls, results):
+                if not c.result.done():
+                    c.result.set_result(r)
+        except BaseException as e:  # noqa: BLE001 - each caller answers with it
+            for c in calls:
+                if not c.result.done():
+                    c.result.set_exception(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            left[0] -= 1
+            if left[0] == 0:
+                self._in_flight.release()
+
+
+class _Refused(Exception):
+    """What a Rank call is answered with instead of a response."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailing: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.code, self.message, self.trailing = code, message, trailing
+
+
+def _refusal_of(e: BaseException) -> _Refused:
+    """The answer for a failed call to the engine process: its status, message and trailing
+    metadata, else INTERNAL (logged)."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        md = tuple((str(k), str(v)) for k, v in e.trailing_metadata() or ())
+        return _Refused(e.code(), e.details() or "", md)
+    log.error("call to the engine process failed: %r", e)
+    return _Refused(grpc.StatusCode.INTERNAL, "rank failed; see the server log")
+
+
+class AioFrontEndServicer(rank_pb2_grpc.RecMemServicer):
+    """``FrontEndServicer`` with coroutine methods, over the engine process's aio
+    ``channel``. Build it inside the running event loop."""
+
+    def __init__(
+        self, channel: grpc.aio.Channel, cfg: Config, metrics: FrontEndMetrics | None = None
+    ) -> None:
+        self._metrics = metrics
+        s = cfg.server
+        self._stub = rank_pb2_grpc.RecMemStub(channel)  # type: ignore[no-untyped-call]
+        self._timeout_s = s.request_timeout_s
+        self.batcher = AioRankBatcher(
+            self._stub,
+            max_requests=s.max_batch_requests,
+            window_ms=s.batch_window_ms,
+            adaptive=s.adaptive_window,
+        )
+
+    @staticmethod
+    def _forwarded(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+        return next((v for k, v in (context.invocation_metadata() or ()) if k == FORWARDED), "")
+
+    async def Rank(  # type: ignore[override]
+        self, request: rank_pb2.RankRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> rank_pb2.RankResponse:
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            return await self._rank(request, context)
+        except _Refused as f:
+            code = f.code.name
+            await context.abort(f.code, f.message, f.trailing)
+            raise  # abort raises
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            if self._metrics is not None:
+                self._metrics.latency.observe(time.perf_counter() - start)
+                self._metrics.requests.labels(code=code).inc()
+
+    async def _rank(
+        self, request: rank_pb2.RankRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> rank_pb2.RankResponse:
+        remaining = context.time_remaining()
+        timeout = max(self._timeout_s if remaining is None else min(remaining, self._timeout_s), 0)
+        fut = self.batcher.submit(request, self._forwarded(context), time.monotonic() + timeout)
+        timer = asyncio.get_running_loop().call_later(timeout, _expire, fut)
+        try:
+            res = await fut
+        except _Expired:
+            raise _Refused(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "rank did not finish in time"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - the engine process's answer, passed on
+            raise _refusal_of(e) from None
+        finally:
+            timer.cancel()
+        if res.code == 0:
+            return res.response
+        raise _Refused(status_code(res.code), res.message, failure_trailing(res))
+
+    async def _pass(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Any:
+        forwarded = self._forwarded(context)
+        remaining = context.time_remaining()
+        try:
+            return await getattr(self._stub, method)(
+                request,
+                timeout=self._timeout_s + 1.0 if remaining is None else max(remaining, 0.001),
+                metadata=((FORWARDED, forwarded),) if forwarded else (),
+            )
+        except grpc.aio.AioRpcError as e:
+            f = _refusal_of(e)
+            await context.abort(f.code, f.message, f.trailing)
+
+    async def RankBatch(  # type: ignore[override]
+        self, request: rank_pb2.RankBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> rank_pb2.RankBatchResponse:
+        return await self._pass("RankBatch", request, context)  # type: ignore[no-any-return]
+
+    async def InspectUser(  # type: ignore[override]
+        self, request: rank_pb2.InspectUserRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> rank_pb2.InspectUserResponse:
+        return await self._pass("InspectUser", request, context)  # type: ignore[no-any-return]
+
+    async def Routing(  # type: ignore[override]
+        self, request: rank_pb2.RoutingRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> rank_pb2.RoutingResponse:
+        return await self._pass("Routing", request, context)  # type: ignore[no-any-return]
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
+
+
+class AioFrontEnd:
+    """``FrontEnd`` on the running event loop: the public aio server over an aio channel to
+    the engine process at ``engine``, on ``port`` of ``server.host`` (SO_REUSEPORT), with a
+    task mirroring the engine process's health. Build it inside the running event loop."""
+
+    def __init__(self, cfg: Config, engine: str, port: int, metrics: FrontEndMetrics | None):
+        self.channel = grpc.aio.insecure_channel(engine, options=channel_options())
+        self.servicer = AioFrontEndServicer(self.channel, cfg, metrics)
+        self.server = AioGrpcServer(cfg, self.servicer, port=port, reuse_port=True)
+        self._stopping = asyncio.Event()
+        self._watch: Any = None
+        self._mirror: asyncio.Task[None] | None = None
+
+    async def start(self) -> AioFrontEnd:
+        await self.server.start(ready=False)
+        self._mirror = asyncio.get_running_loop().create_task(self._mirror_health())
+        return self
+
+    async def _mirror_health(self) -> None:
+        """Report what the engine process reports (its service ``""``), NOT_SERVING while it
+        cannot be reached."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        while not self._stopping.is_set():
+            try:
+                self._watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+                async for status in self._watch:
+                    await self.server.set_serving(status.status == serving)
+            except grpc.RpcError:
+                pass
+            await self.server.set_serving(False)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), 0.2)
+
+    async def stop(self, grace: float) -> None:
+        """Drain this front end's callers (AioGrpcServer.stop), send what is still queued,
+        close the channel."""
+        self._stopping.set()
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.server.stop(grace)
+        if self._mirror is not None:
+            self._mirror.cancel()
+            await asyncio.gather(self._mirror, return_exceptions=True)
+        await self.servicer.batcher.close()
+        await self.channel.close()
+
+
+async def serve(cfg: Config, spec: dict[str, Any], metrics: FrontEndMetrics | None) -> None:
+    """``frontend.main`` for the aio mode: serve until SIGTERM or the stdin line ``stop
+    <grace_s>`` (or its end), then drain within the grace."""
+    loop = asyncio.get_running_loop()
+    front = await AioFrontEnd(cfg, spec["engine"], int(spec["port"]), metrics).start()
+    stop = asyncio.Event()
+    grace = [cfg.server.shutdown_grace_s]
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+
+    def read_stop() -> None:
+        line = sys.stdin.readline()  # "stop <grace_s>", or "" once the service is gone
+        parts = line.split()
+        grace[0] = float(parts[1]) if len(parts) == 2 and parts[0] == "stop" else 1.0
+        loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=read_stop, name="stdin", daemon=True).start()
+    print(f"ready {os.getpid()}", flush=True)
+    await stop.wait()
+    await front.stop(grace[0])
+    log.info(
+        "front end %d stopped: %d Rank calls in %d RankBatch calls",
+        spec["index"],
+        front.servicer.batcher.requests,
+        front.servicer.batcher.batches,
+    )
