@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from recmem.engine.rows import UserRows, positions, ring_cells
+from recmem.rows import UserRows, ragged_arange, ring_cells, row_cells
 
 PREFIX = "seen."
 _CELLS = 1 << 20
@@ -203,10 +203,8 @@ class SeenEvents:
         has = np.flatnonzero(np.asarray(lengths) > 0)
         rows = self._rows.assign([user_ids[i] for i in has.tolist()])
         c = np.minimum(lengths[has], self.window).astype(np.int64)  # the last window keys
-        rep = np.repeat(np.arange(len(has)), c)
-        t = positions(c)
         a = self._rows.arrays
-        a["keys"][rows[rep], t] = keys[(ends[has] - c)[rep] + t]
+        a["keys"][row_cells(rows, c)] = keys[ragged_arange(ends[has] - c, c)]
         a["count"][rows] = c
         a["end"][rows] = c % self.window
 
