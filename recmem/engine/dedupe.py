@@ -11,14 +11,14 @@ events of the same user is applied again. A crash replay is not affected: events
 the restored checkpoint were never accepted by the restored state, and the keys are part
 of that checkpoint (arrays ``seen.*``). Owned by the engine (one thread).
 
-``SeenEvents`` holds each user's keys as one row of a ring [window] int64 (rows.UserRows)
-and decides a whole batch with numpy; ``SeenEventsReference`` is the plain per-event loop
-it must agree with (tests/recmem/test_seen_tails_fast.py). Memory per user: 8 * window
-bytes of keys plus 16 bytes of count and ring position (528 bytes at the default window
-of 64, where a full deque and set of Python ints took about 5.8 kB), plus the user's
-dict entry; the table grows by 5/4, so up to a fifth of its rows may wait unused (on the
-workload's first 100,000 events: 728 against 1,167 bytes a user in all, tracemalloc:
-bench/experiments/seen_tails_micro_cpu.json).
+``SeenEvents`` holds each user's keys as one row of a ring [window] int64
+(recmem.rows.UserRows) and decides a whole batch with numpy; ``SeenEventsReference`` is
+the plain per-event loop it must agree with (tests/recmem/test_seen_tails_fast.py).
+Memory per user: 8 * window bytes of keys plus 16 bytes of count and ring position (528
+bytes at the default window of 64, where a full deque and set of Python ints took about
+5.8 kB), plus the user's dict entry; the table grows by 5/4, so up to a fifth of its
+rows may wait unused (on the workload's first 100,000 events: 728 against 1,167 bytes a
+user in all, tracemalloc: bench/experiments/seen_tails_micro_cpu.json).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Owned by the engine (one thread): no lock.
 
 ``RecentEvents`` holds every kept event in a slot of a pool (item, action, ts_ms int64 and
 q~ [L, H, K] float32: 24 + 4 * L*H*K bytes, 536 with the default model's 2*2*32) and each
-user as a row of ``keep`` slot ids (rows.UserRows, rows.SlotPool), so that a step is
+user as a row of ``keep`` slot ids (recmem.rows: UserRows, SlotPool), so that a step is
 written with numpy and a user holds slots for its events only, as before; per user 4 *
 keep + 24 bytes of slot ids, counts and ring position (56 at keep 8) plus the user's dict
 entry, where the per-user arrays and their objects took about 680 bytes (on the workload's
