@@ -178,6 +178,13 @@ def row_cells(
     return np.repeat(rows, counts), cols
 
 
+def row_prefixes(table: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``table[rows[i], :counts[i]]`` for each i, concatenated: the entries a row holds
+    from its first column (a table [rows, width, ...]), by one masked gather of the rows
+    (faster than indexing with ``row_cells(rows, counts)`` for the narrow slot tables)."""
+    return table[rows][np.arange(table.shape[1])[None, :] < counts[:, None]]
+
+
 def ring_cells(
     rows: np.ndarray, counts: np.ndarray, end: np.ndarray, size: int
 ) -> tuple[np.ndarray, np.ndarray]:

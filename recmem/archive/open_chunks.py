@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from recmem.archive.store import PENDING_DTYPE, PendingEvents
-from recmem.rows import SlotPool, UserRows, row_cells
+from recmem.rows import SlotPool, UserRows, row_cells, row_prefixes
 
 INT_FIELDS = ("items", "actions", "ts_ms", "positions")
 
@@ -98,7 +98,7 @@ class OpenChunks:
 
     def slots_of(self, rows: np.ndarray) -> np.ndarray:
         """The slots of ``rows``' buffered events, row by row, each in event order."""
-        return self.rows.arrays["slot"][row_cells(rows, self.count[rows])].astype(np.int64)
+        return row_prefixes(self.rows.arrays["slot"], rows, self.count[rows]).astype(np.int64)
 
     def gather(self, rows: np.ndarray) -> EventColumns:
         """The buffered events of ``rows``, row by row (copies)."""

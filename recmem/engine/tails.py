@@ -26,7 +26,15 @@ import numpy as np
 import torch
 
 from recmem.ranking import UserEvents
-from recmem.rows import SlotPool, UserRows, positions, ragged_arange, ring_cells, row_cells
+from recmem.rows import (
+    SlotPool,
+    UserRows,
+    positions,
+    ragged_arange,
+    ring_cells,
+    row_cells,
+    row_prefixes,
+)
 
 PREFIX = "recent."
 _EVENT_FIELDS = ("items", "actions", "ts_ms")
@@ -278,7 +286,7 @@ class RecentEvents:
         if len(rows):
             a = self._rows.arrays
             c = a["count"][rows]  # a user's events fill positions 0 .. count-1
-            self._pool.give(a["slot"][row_cells(rows, c)])
+            self._pool.give(row_prefixes(a["slot"], rows, c))
             a["count"][rows] = a["qcount"][rows] = a["end"][rows] = 0
 
 

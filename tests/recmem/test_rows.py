@@ -6,7 +6,14 @@ test_archive_open_chunks.py.)"""
 
 import numpy as np
 
-from recmem.rows import SlotPool, UserRows, ragged_arange, ring_cells, row_cells
+from recmem.rows import (
+    SlotPool,
+    UserRows,
+    ragged_arange,
+    ring_cells,
+    row_cells,
+    row_prefixes,
+)
 
 
 def test_user_rows_reuse_released_rows_last_released_first_and_grow_in_place():
@@ -65,6 +72,10 @@ def test_cells_against_plain_loops():
     assert c.tolist() == [s + t for s, n in zip(starts, counts) for t in range(n)]
     assert row_cells(rows, counts)[1].tolist() == [t for n in counts for t in range(n)]
     assert ragged_arange(starts, counts).tolist() == c.tolist()
+    table = rng.integers(0, 99, (30, 4))
+    want = [table[x, t] for x, n in zip(rows, counts) for t in range(n)]
+    assert row_prefixes(table, rows, counts).tolist() == want
+    assert row_prefixes(table, rows[:0], counts[:0]).shape == (0,)
     end, size = rng.integers(0, 4, 30), 4
     r, c = ring_cells(rows, counts, end, size)
     want = [(x, (end[x] - n + t) % size) for x, n in zip(rows, counts) for t in range(n)]
