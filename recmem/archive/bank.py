@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources
-from recmem.archive.open_chunks import INT_FIELDS, EventColumns, OpenChunks, ragged_arange
+from recmem.archive.open_chunks import INT_FIELDS, EventColumns, OpenChunks
 from recmem.archive.persist import pack_users, unpack_users
 from recmem.archive.routing import overlap_rank, vote_rank
 from recmem.archive.selection import (
@@ -31,6 +31,7 @@ from recmem.archive.store import (
     UserArchive,
 )
 from recmem.config import ArchiveConfig
+from recmem.rows import ragged_arange
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +345,7 @@ class NoteBank:
         oc, C = self._open, self.cfg.chunk_events
         act = np.nonzero(batch.lens)[0]
         uids = [batch.user_ids[b] for b in act.tolist()]
-        rows = np.array([oc.row_of.get(u, -1) for u in uids], dtype=np.int64)
+        rows = oc.rows.lookup(uids)
         n, s = batch.lens[act], batch.starts[act]
         pos = batch.ev.ints[:, 3]
         last = np.where(rows >= 0, oc.last[np.maximum(rows, 0)] if len(oc.last) else -1, -1)
@@ -605,7 +606,7 @@ class NoteBank:
     def users(self) -> list[str]:
         """Users with archive state (notes or buffered events)."""
         with self._lock:
-            return list(self._open.row_of)
+            return list(self._open.rows.of)
 
     def notes(self, user_id: str) -> list[Note]:
         """The user's notes, chronological (oldest first)."""
@@ -621,7 +622,7 @@ class NoteBank:
     def pending_count(self, user_id: str) -> int:
         """Events buffered in the user's open chunk."""
         with self._lock:
-            row = self._open.row_of.get(user_id)
+            row = self._open.rows.of.get(user_id)
             return int(self._open.count[row]) if row is not None else 0
 
     # ---- persistence ------------------------------------------------------------------
@@ -638,12 +639,12 @@ class NoteBank:
         """Whole ``UserArchive`` copies (open chunk and last position included) of the users
         of ``user_ids`` with archive state, each once."""
         oc = self._open
-        users = [u for u in dict.fromkeys(user_ids) if u in oc.row_of]
+        users = [u for u in dict.fromkeys(user_ids) if u in oc]
         out = []
         for u, pending in zip(users, oc.pending(users)):
             ua = self._users.get(u)
             notes, n_written = (ua.notes, ua.n_written) if ua is not None else ([], 0)
-            out.append((u, UserArchive(pending, notes, n_written, int(oc.last[oc.row_of[u]]))))
+            out.append((u, UserArchive(pending, notes, n_written, int(oc.last[oc.rows.of[u]]))))
         return out
 
     def load_users(self, state: Mapping[str, np.ndarray], replace: Iterable[str] = ()) -> int:

@@ -11,14 +11,14 @@ events of the same user is applied again. A crash replay is not affected: events
 the restored checkpoint were never accepted by the restored state, and the keys are part
 of that checkpoint (arrays ``seen.*``). Owned by the engine (one thread).
 
-``SeenEvents`` holds each user's keys as one row of a ring [window] int64 (rows.UserRows)
-and decides a whole batch with numpy; ``SeenEventsReference`` is the plain per-event loop
-it must agree with (tests/recmem/test_seen_tails_fast.py). Memory per user: 8 * window
-bytes of keys plus 16 bytes of count and ring position (528 bytes at the default window
-of 64, where a full deque and set of Python ints took about 5.8 kB), plus the user's
-dict entry; the table grows by 5/4, so up to a fifth of its rows may wait unused (on the
-workload's first 100,000 events: 728 against 1,167 bytes a user in all, tracemalloc:
-bench/experiments/seen_tails_micro_cpu.json).
+``SeenEvents`` holds each user's keys as one row of a ring [window] int64
+(recmem.rows.UserRows) and decides a whole batch with numpy; ``SeenEventsReference`` is
+the plain per-event loop it must agree with (tests/recmem/test_seen_tails_fast.py).
+Memory per user: 8 * window bytes of keys plus 16 bytes of count and ring position (528
+bytes at the default window of 64, where a full deque and set of Python ints took about
+5.8 kB), plus the user's dict entry; the table grows by 5/4, so up to a fifth of its
+rows may wait unused (on the workload's first 100,000 events: 728 against 1,167 bytes a
+user in all, tracemalloc: bench/experiments/seen_tails_micro_cpu.json).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from recmem.engine.rows import UserRows, positions, ring_cells
+from recmem.rows import UserRows, ragged_arange, ring_cells, row_cells
 
 PREFIX = "seen."
 _CELLS = 1 << 20
@@ -203,10 +203,8 @@ class SeenEvents:
         has = np.flatnonzero(np.asarray(lengths) > 0)
         rows = self._rows.assign([user_ids[i] for i in has.tolist()])
         c = np.minimum(lengths[has], self.window).astype(np.int64)  # the last window keys
-        rep = np.repeat(np.arange(len(has)), c)
-        t = positions(c)
         a = self._rows.arrays
-        a["keys"][rows[rep], t] = keys[(ends[has] - c)[rep] + t]
+        a["keys"][row_cells(rows, c)] = keys[ragged_arange(ends[has] - c, c)]
         a["count"][rows] = c
         a["end"][rows] = c % self.window
 

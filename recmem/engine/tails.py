@@ -7,7 +7,7 @@ Owned by the engine (one thread): no lock.
 
 ``RecentEvents`` holds every kept event in a slot of a pool (item, action, ts_ms int64 and
 q~ [L, H, K] float32: 24 + 4 * L*H*K bytes, 536 with the default model's 2*2*32) and each
-user as a row of ``keep`` slot ids (rows.UserRows, rows.SlotPool), so that a step is
+user as a row of ``keep`` slot ids (recmem.rows: UserRows, SlotPool), so that a step is
 written with numpy and a user holds slots for its events only, as before; per user 4 *
 keep + 24 bytes of slot ids, counts and ring position (56 at keep 8) plus the user's dict
 entry, where the per-user arrays and their objects took about 680 bytes (on the workload's
@@ -25,8 +25,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from recmem.engine.rows import SlotPool, UserRows, positions, ring_cells
 from recmem.ranking import UserEvents
+from recmem.rows import (
+    SlotPool,
+    UserRows,
+    positions,
+    ragged_arange,
+    ring_cells,
+    row_cells,
+    row_prefixes,
+)
 
 PREFIX = "recent."
 _EVENT_FIELDS = ("items", "actions", "ts_ms")
@@ -113,8 +121,7 @@ class RecentEvents:
             return
         n = lengths[b].astype(np.int64)
         m = np.minimum(n, k)  # only the last keep new events of a user can stay
-        rep = np.repeat(np.arange(len(b)), m)
-        src, col = b[rep], (n - m)[rep] + positions(m)  # those events, user after user
+        src, col = row_cells(b, m, n - m)  # those events, user after user
         # their q~ (only theirs), moved to the host in one copy
         dev = q_tilde.device
         if packed:
@@ -153,8 +160,7 @@ class RecentEvents:
         ids = slot[r, pos].astype(np.int64)
         ids[fresh] = self._pool.take(int(fresh.sum()))
         slot[r[fresh], pos[fresh]] = ids[fresh]
-        for f, v in new.items():
-            self._pool.arrays[f][ids] = v
+        self._pool.write(ids, new)
         count[rows] = np.minimum(count[rows] + n, k)
         qcount[rows] = np.minimum(qcount[rows] + n, k)
         end[rows] = (end[rows] + n) % k
@@ -182,12 +188,10 @@ class RecentEvents:
         their q~ or none) in fresh rows."""
         rows = self._rows.assign(users)
         c = lengths.astype(np.int64)
-        rep = np.repeat(np.arange(len(users)), c)
         ids = self._pool.take(int(c.sum()))
         a = self._rows.arrays
-        a["slot"][rows[rep], positions(c)] = ids
-        for f in _EVENT_FIELDS:
-            self._pool.arrays[f][ids] = getattr(events, f)
+        a["slot"][row_cells(rows, c)] = ids
+        self._pool.write(ids, {f: getattr(events, f) for f in _EVENT_FIELDS})
         if queries is not None:
             self._ensure_queries(queries.shape[1:])
             self._pool.arrays["queries"][ids] = queries
@@ -203,7 +207,7 @@ class RecentEvents:
         if row is None:
             return UserEvents.empty()
         ids = self._ids(row, int(self._rows.arrays["count"][row]))
-        return UserEvents(*(self._pool.arrays[f][ids][-n:] for f in _EVENT_FIELDS))
+        return UserEvents(*(v[-n:] for v in self._pool.read(ids, _EVENT_FIELDS)))
 
     def recent_queries(self, user_id: str, n: int) -> np.ndarray | None:
         """q~ [n', L, H, K] of the events ``recent(user_id, n)`` returns (None if unknown)."""
@@ -266,7 +270,7 @@ class RecentEvents:
         if not len(short):
             return
         c = lengths[short]
-        src = np.repeat(starts[short], c) + positions(c)
+        src = ragged_arange(starts[short], c)
         self._put(
             [user_ids[i] for i in short.tolist()],
             UserEvents(*(cols[f][src].astype(np.int64) for f in _EVENT_FIELDS)),
@@ -282,7 +286,7 @@ class RecentEvents:
         if len(rows):
             a = self._rows.arrays
             c = a["count"][rows]  # a user's events fill positions 0 .. count-1
-            self._pool.give(a["slot"][np.repeat(rows, c), positions(c)].astype(np.int64))
+            self._pool.give(row_prefixes(a["slot"], rows, c))
             a["count"][rows] = a["qcount"][rows] = a["end"][rows] = 0
 
 

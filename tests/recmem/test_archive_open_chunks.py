@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from recmem.archive import ItemIdRows, NoteBank, PlainNoteBank
-from recmem.archive.open_chunks import ragged_arange
 from recmem.config import ArchiveConfig
+from recmem.rows import ragged_arange
 
 L, H, K = 2, 2, 8
 CH = L * H
@@ -247,4 +247,4 @@ def test_the_arena_grows_and_reuses_freed_slots_and_rows():
             for u in gone:
                 done[u] = 0
         assert_same(fast, plain, users)
-    assert len(fast._open._ids) > 4096 and len(fast._open.count) > 1024
+    assert fast._open.events.capacity > 4096 and fast._open.rows.capacity > 1024
