@@ -207,7 +207,9 @@ def main() -> None:
     ready: dict[str, Any] = {}
     commits: dict[str, str] = {}
     for name, root in roots.items():  # built one after another: no contention
-        env = {**os.environ, "PYTHONPATH": root}
+        # the tree first; what PYTHONPATH held (wheels carried to a GPU host) after it
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
         cmd = [sys.executable, str(HERE), "--worker", "--worker-root", root,
                "--users", str(args.users), "--events", str(args.events),
                "--items", str(args.items), "--device", args.device]  # fmt: skip
