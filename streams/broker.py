@@ -13,6 +13,11 @@ Known tansu quirks (clients must live with them):
 - ``read_committed`` does not hide aborted records;
 - ``describe_groups`` and ``create_partitions`` fail: create each topic with the partition
   count it needs up front (``streams.admin.ensure_topics``).
+- a group's leader that leaves after another member has left (the group is rebalancing)
+  stays its leader: every member that joins later waits for that leader's assignment
+  forever (tansu 0.6.0 drops the leader only when it leaves a settled group or its session
+  expires). The consumer processes of one service stop their leader first for this
+  (streams/processes.py).
 """
 
 from __future__ import annotations

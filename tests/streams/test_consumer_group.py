@@ -128,6 +128,9 @@ def test_members_share_the_owner_map_and_restore_in_the_background(kafka_config)
         assert {p for p, m in view_a.owners.items() if m == a.member} == set(a.assignment)
         assert {p for p, m in view_a.owners.items() if m == b.member} == set(b.assignment)
         assert view_a.tag == "m1" and not view_a.refused
+        # exactly one member led the generation: the one kafka-python says computed it
+        assert view_a.leads != view_b.leads
+        assert view_a.leads == a._consumer._coordinator._is_leader  # type: ignore[union-attr]
         generations = [v.generation for v in sink_a.views]
         assert generations == sorted(generations)
     finally:
