@@ -12,7 +12,13 @@ Known tansu quirks (clients must live with them):
 - ``end_offsets`` is wrong after batched produce: read the consumer's ``highwater()``;
 - ``read_committed`` does not hide aborted records;
 - ``describe_groups`` and ``create_partitions`` fail: create each topic with the partition
-  count it needs up front (``streams.admin.ensure_topics``).
+  count it needs up front (``streams.admin.ensure_topics``);
+- a group's leader that leaves while the group is rebalancing (after another member left,
+  or right after the JoinGroup that made it the leader) stays its leader: every member
+  that joins later waits for that leader's assignment forever (tansu 0.6.0 drops the
+  leader only when it leaves a settled group or its session expires). So the kafka-python
+  consumer finishes a due join before it leaves (streams/consumer.py), and the consumer
+  processes of one service stop their leader first (streams/processes.py).
 """
 
 from __future__ import annotations

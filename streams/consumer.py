@@ -156,6 +156,8 @@ class EventConsumer(BaseConsumer):
     def _close(self) -> None:
         consumer = self._consumer
         producer, self._producer = self._producer, None
+        if consumer is not None and not self._failed:
+            self._join_before_leaving(consumer)
         if consumer is not None:
             try:  # a rebalance callback run by close() may still use self._consumer
                 consumer.close(autocommit=False, timeout_ms=5000)
@@ -165,6 +167,22 @@ class EventConsumer(BaseConsumer):
                 self._consumer = None
         if producer is not None:
             producer.close(timeout=5)
+
+    def _join_before_leaving(self, consumer: KafkaConsumer) -> None:
+        """A member whose group is rebalancing (a join due, or sent and not answered yet)
+        finishes the join, up to ``session_timeout_ms``, before it leaves. On tansu a member
+        that leaves after its JoinGroup made it the leader of the rebalancing group stays
+        the group's leader for good, and every member that joins later waits for its
+        assignment forever (streams/broker.py); a member that leaves a settled group hands
+        the role on."""
+        coordinator = getattr(consumer, "_coordinator", None)
+        if coordinator is None or not coordinator.need_rejoin():
+            return
+        try:
+            if not coordinator.ensure_active_group(timeout_ms=self.cfg.session_timeout_ms):
+                log.info("leaving group %s before its rebalance finished", self.cfg.group_id)
+        except KafkaError as e:
+            log.warning("finishing the rebalance before leaving: %s", e)
 
     def _start(self, seeks: dict[int, Seek], committed: list[int], paused: list[int]) -> None:
         # kafka-python has assigned them already; ``committed`` ones need nothing (the

@@ -27,7 +27,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kafka.coordinator.assignors.abstract import AbstractPartitionAssignor
@@ -93,6 +93,8 @@ class GroupView:
     complete: bool = True
     """False: ``owners`` holds only this member's own partitions (a client that cannot
     carry the member data, streams/confluent.py); the other partitions' owners are unknown."""
+    leads: bool = False
+    """This member led the generation (it computed the assignment)."""
 
     def owner(self, partition: int) -> Member | None:
         return self.owners.get(partition)
@@ -113,6 +115,9 @@ class MemberAwareAssignor(AbstractPartitionAssignor):
         self.me = me
         self.on_view = on_view
         self.view: GroupView | None = None
+        self._assigned = False
+        """``assign`` ran in this join round (only the leader's runs): the round starts with
+        ``metadata`` (the member's subscription) and ends with ``on_assignment``."""
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -126,6 +131,7 @@ class MemberAwareAssignor(AbstractPartitionAssignor):
         return list(self.base.supported_protocols())
 
     def metadata(self, topics: Any) -> Any:
+        self._assigned = False
         sub = self.base.metadata(topics)
         if sub.user_data:
             raise ValueError(f"assignor {self.base.name} uses the user data itself")
@@ -133,6 +139,7 @@ class MemberAwareAssignor(AbstractPartitionAssignor):
         return sub
 
     def assign(self, cluster: Any, members: list[Any]) -> dict[str, Any]:
+        self._assigned = True
         infos = {m.member_id: Member.decode(m.metadata.user_data) for m in members}
         tag = self._group_tag(members, infos)
         eligible = [m for m in members if infos[m.member_id].tag == tag]
@@ -183,6 +190,9 @@ class MemberAwareAssignor(AbstractPartitionAssignor):
     def on_assignment(self, assignment: Any, generation: int) -> None:
         self.base.on_assignment(assignment, generation)
         view = decode_view(assignment.user_data, generation)
+        if self._assigned:
+            view = replace(view, leads=True)
+        self._assigned = False
         self.view = view
         if self.on_view is not None:
             self.on_view(view)

@@ -73,6 +73,8 @@ PARENT_CHECK_S = 0.5
 STOP_GRACE_S = 60.0
 """After stop (or a failure), how long the children have to checkpoint and leave before
 they are killed."""
+LEADER_FIRST_S = 10.0
+"""At a stop, how long the other children wait for the group's leader to stop first."""
 
 # ---- the child's side ----------------------------------------------------------------------
 
@@ -288,6 +290,9 @@ class ConsumerProcesses:
         self._child_error: BaseException | None = None
         self._restored: dict[int, Any] = {}
         """Restores the sink reported done, kept for the child that owns the partition."""
+        self._leader: int | None = None
+        """The child that led the group's latest generation it reported (None: none, or not
+        known)."""
 
     # ----------------------------------------------------------------- control
     def stop(self) -> None:
@@ -346,16 +351,13 @@ class ConsumerProcesses:
 
     def _serve(self) -> None:
         by_conn = {c.conn: c for c in self._children}
-        signalled = False
+        signalled: set[int] = set()
         deadline: float | None = None
         while any(not c.finished for c in self._children):
-            if self._stop.is_set() and not signalled:
-                signalled = True
-                deadline = time.monotonic() + STOP_GRACE_S
-                for c in self._children:
-                    if not c.finished and c.process.pid is not None:
-                        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-                            os.kill(c.process.pid, signal.SIGTERM)
+            if self._stop.is_set():
+                if deadline is None:
+                    deadline = time.monotonic() + STOP_GRACE_S
+                self._signal_stop(signalled, deadline - STOP_GRACE_S)
             if deadline is not None and time.monotonic() > deadline:
                 log.error("consumer processes did not stop within %.0f s", STOP_GRACE_S)
                 return
@@ -366,6 +368,28 @@ class ConsumerProcesses:
                     self._exited(sentinels[ready])
                 else:
                     self._answer(by_conn[ready])  # type: ignore[index]
+
+    def _signal_stop(self, signalled: set[int], since: float) -> None:
+        """SIGTERM the children not signalled yet (their indexes go in ``signalled``): the
+        group's leader alone first, the others once it has finished or LEADER_FIRST_S after
+        ``since``. On tansu a leader that leaves after another member has left stays the
+        group's leader for good, and every later member waits for its assignment forever
+        (streams/broker.py); a leader that leaves first hands the role on."""
+        leader = self._leader
+        first = (
+            leader is not None
+            and not self._children[leader].finished
+            and time.monotonic() - since < LEADER_FIRST_S
+        )
+        for c in self._children:
+            if c.index in signalled or (first and c.index != leader):
+                continue
+            signalled.add(c.index)
+            if first:
+                log.info("stopping consumer process %d, the group's leader, first", c.index)
+            if not c.finished and c.process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+                    os.kill(c.process.pid, signal.SIGTERM)
 
     def _answer(self, child: _Child) -> None:
         try:
@@ -406,6 +430,11 @@ class ConsumerProcesses:
             self.stop()
 
     def _call(self, child: _Child, name: str, args: tuple[Any, ...]) -> tuple[str, Any]:
+        if name == "on_group":  # who leads (see _signal_stop)
+            if args[0].leads:
+                self._leader = child.index
+            elif self._leader == child.index:
+                self._leader = None
         if self._sink_error is not None:
             return "err", SinkError(f"ingest stopped: the sink failed: {self._sink_error!r}")
         try:

@@ -210,6 +210,49 @@ def test_the_configuration_bounds_the_processes():
         ConsumerProcesses(cfg.kafka, RecordingSink(), 0)
 
 
+class _Process:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+
+def test_a_stop_signals_the_group_leader_first(monkeypatch):
+    """The child that led the latest generation it reported is stopped alone first (on
+    tansu a leader that leaves after another member stays the group's leader for good);
+    the others once it has finished, or after LEADER_FIRST_S; all at once when none
+    leads."""
+    import streams.processes as processes
+    from streams.group import GroupView
+    from streams.processes import LEADER_FIRST_S, _Child
+
+    killed: list[int] = []
+    monkeypatch.setattr(processes.os, "kill", lambda pid, sig: killed.append(pid))
+    consumer = ConsumerProcesses(KafkaConfig(partitions=2), RecordingSink(), 2)
+    consumer._children = [_Child(i, _Process(100 + i), None) for i in range(2)]  # type: ignore[arg-type]
+    leader, other = consumer._children[1], consumer._children[0]
+    consumer._call(leader, "on_group", (GroupView(3, 2, leads=True),))
+    consumer._call(other, "on_group", (GroupView(3, 2),))
+    assert consumer._leader == 1
+    signalled: set[int] = set()
+    now = time.monotonic()
+    consumer._signal_stop(signalled, now)
+    consumer._signal_stop(signalled, now)
+    assert killed == [101]
+    leader.finished = True
+    consumer._signal_stop(signalled, now)
+    assert killed == [101, 100]
+    # a leader that does not finish holds the others back LEADER_FIRST_S at most
+    killed.clear()
+    leader.finished = False
+    consumer._signal_stop(set(), now - LEADER_FIRST_S - 1)
+    assert killed == [100, 101]
+    # a new generation led by no child here: all at once
+    killed.clear()
+    consumer._call(leader, "on_group", (GroupView(4, 2),))
+    assert consumer._leader is None
+    consumer._signal_stop(set(), now)
+    assert killed == [100, 101]
+
+
 def children_of(pid: int) -> set[int]:
     out: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():

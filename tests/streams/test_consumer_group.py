@@ -128,6 +128,9 @@ def test_members_share_the_owner_map_and_restore_in_the_background(kafka_config)
         assert {p for p, m in view_a.owners.items() if m == a.member} == set(a.assignment)
         assert {p for p, m in view_a.owners.items() if m == b.member} == set(b.assignment)
         assert view_a.tag == "m1" and not view_a.refused
+        # exactly one member led the generation: the one kafka-python says computed it
+        assert view_a.leads != view_b.leads
+        assert view_a.leads == a._consumer._coordinator._is_leader  # type: ignore[union-attr]
         generations = [v.generation for v in sink_a.views]
         assert generations == sorted(generations)
     finally:
@@ -197,3 +200,35 @@ def test_static_membership_reaches_the_consumer(kafka_config):
         consumer.stop()
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+class _Coordinator:
+    def __init__(self, rejoin: bool) -> None:
+        self.rejoin = rejoin
+        self.joins: list[int] = []
+
+    def need_rejoin(self) -> bool:
+        return self.rejoin
+
+    def ensure_active_group(self, timeout_ms: int) -> bool:
+        self.joins.append(timeout_ms)
+        return True
+
+
+class _Client:
+    def __init__(self, rejoin: bool) -> None:
+        self._coordinator = _Coordinator(rejoin)
+
+
+def test_a_member_finishes_a_due_join_before_it_leaves():
+    """A member whose group rebalances joins (up to its session timeout) before it leaves:
+    on tansu, a leader that leaves a rebalancing group stays its leader for good and the
+    group never forms again (streams/broker.py). A settled member leaves at once."""
+    from streams.config import KafkaConfig
+
+    consumer = EventConsumer(KafkaConfig(session_timeout_ms=3000), RecordingSink())
+    due, settled = _Client(rejoin=True), _Client(rejoin=False)
+    consumer._join_before_leaving(due)  # type: ignore[arg-type]
+    consumer._join_before_leaving(settled)  # type: ignore[arg-type]
+    assert due._coordinator.joins == [3000]
+    assert settled._coordinator.joins == []
