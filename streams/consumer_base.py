@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FrameType
 
+from streams.batch import EventBatch
+from streams.columns import decode_records
 from streams.config import KafkaConfig
 from streams.dead_letters import (
     DeadLetterError,
@@ -209,35 +211,55 @@ class BaseConsumer(ABC):
 
     # ------------------------------------------------------------------ batches
     def _process(self, records: Mapping[int, Sequence[RawRecord]]) -> None:
+        """Validate a poll's records, write the dead letters, hand the events to the sink:
+        as columns (``streams.columns.decode_records``) to a sink that says
+        ``takes_columns``, else as a list of ValidEvent."""
         start = time.perf_counter()
         now_ms = int(self.clock() * 1000)
-        events: list[ValidEvent] = []
-        dead: list[DeadLetter] = []
         next_offsets: dict[int, int] = {}
         n = 0
         last_records: dict[int, str] = {}
-        topic = self.cfg.topic
         for p in sorted(records):
             batch = records[p]
             if not batch:
                 continue
             _, last_key, last_value = batch[-1]
             last_records[p] = fingerprint(last_key, last_value)
-            for offset, key, value in batch:
+            n += len(batch)
+            next_offsets[p] = batch[-1][0] + 1
+        events: list[ValidEvent] | EventBatch
+        if getattr(self.sink, "takes_columns", False):
+            events, dead = decode_records(self.cfg.topic, records, now_ms, self.limits)
+        else:
+            events, dead = self._validate(records, now_ms)
+        if dead:
+            self._send_dead_letters(dead)
+        with self._sink_lock:
+            self.sink.apply_batch(
+                events,  # type: ignore[arg-type]  # a takes_columns sink takes both
+                next_offsets,
+                SourceMarks(self._topic_id, last_records),
+            )
+        self.metrics.records.inc(n)
+        self.metrics.events.inc(len(events))
+        self.metrics.batch_seconds.observe(time.perf_counter() - start)
+
+    def _validate(
+        self, records: Mapping[int, Sequence[RawRecord]], now_ms: int
+    ) -> tuple[list[ValidEvent], list[DeadLetter]]:
+        """Each record through ``validate_record``: the events and the dead letters, in
+        partition order, each partition's records in offset order."""
+        events: list[ValidEvent] = []
+        dead: list[DeadLetter] = []
+        topic = self.cfg.topic
+        for p in sorted(records):
+            for offset, key, value in records[p]:
                 out = validate_record(topic, p, offset, key, value, now_ms, self.limits)
                 if isinstance(out, ValidEvent):
                     events.append(out)
                 else:
                     dead.append(out)
-            n += len(batch)
-            next_offsets[p] = batch[-1][0] + 1
-        if dead:
-            self._send_dead_letters(dead)
-        with self._sink_lock:
-            self.sink.apply_batch(events, next_offsets, SourceMarks(self._topic_id, last_records))
-        self.metrics.records.inc(n)
-        self.metrics.events.inc(len(events))
-        self.metrics.batch_seconds.observe(time.perf_counter() - start)
+        return events, dead
 
     def _send_dead_letters(self, dead: list[DeadLetter]) -> None:
         """Send and flush; a dead letter the broker refuses as too large is sent again as

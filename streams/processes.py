@@ -133,13 +133,18 @@ class PipeSink:
     def on_lost(self, partitions: list[int]) -> None:
         self._call("on_lost", partitions)
 
+    takes_columns = True
+    """The consumer hands columns (``streams.columns.decode_records``): they cross the pipe
+    as they are."""
+
     def apply_batch(
         self,
-        events: list[ValidEvent],
+        events: list[ValidEvent] | EventBatch,
         next_offsets: dict[int, int],
         source: SourceMarks | None = None,
     ) -> None:
-        self._call("apply_batch", EventBatch.of(events), next_offsets, source)
+        batch = events if isinstance(events, EventBatch) else EventBatch.of(events)
+        self._call("apply_batch", batch, next_offsets, source)
 
     def checkpoint_due(self) -> bool:
         self.send_metrics()
