@@ -4,10 +4,11 @@
 #   OLD=.gpu/old OLD_COMMIT=... GIT_COMMIT=... OUT=... bash bench/gpu_host_ab.sh
 # Carried (ignored paths): .gpu/rank (kafka-python, crc32c, protobuf, grpcio, faiss-cpu,
 # prometheus-client, tqdm wheels), .gpu/whl (fla-core, einops), .gpu/bin (the tansu wheel),
-# OLD (a git archive of the old commit's recmem, streams, models, offline_eval, proto, bench).
+# OLD (a git archive of the old commit's recmem, streams, models, offline_eval, proto, bench,
+# tests).
 # Both trees get the same wheels. Sizes (env): MEMBERS (1,8), EVENTS (600,000 of the
 # 10M-event workload), PARTITIONS (16), REPLAY (0), RANK_S (3), CLIENT_PROCS (4), TREE_S
-# (270: the bound of each tree's pass). Output: $OUT/host_members_h200_{new,old}.json.
+# (270: the bound of each tree's pass), ORDER (new-old | old-new). Output: $OUT/host_members_h200_{new,old}.json.
 set -u
 OUT=${OUT:?set OUT to the output folder}
 OLD=${OLD:?set OLD to the old tree}
@@ -28,5 +29,8 @@ run() {  # run TREE COMMIT TAG
   echo "$3: exit $?"; grep -E '^\[' "$OUT/host_$3.log" | tail -n 12
   grep -E 'Error|Traceback' "$OUT/host_$3.log" | tail -n 5
 }
-run "$PWD" "${GIT_COMMIT:-new}" new
-run "$OLD" "${OLD_COMMIT:-old}" old
+if [ "${ORDER:-new-old}" = old-new ]; then
+  run "$OLD" "${OLD_COMMIT:-old}" old; run "$PWD" "${GIT_COMMIT:-new}" new
+else
+  run "$PWD" "${GIT_COMMIT:-new}" new; run "$OLD" "${OLD_COMMIT:-old}" old
+fi
