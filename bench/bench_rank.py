@@ -12,7 +12,8 @@ store, NoteBank, Ranker, engine loop) on the default memory configuration with a
 initialised model (latency does not depend on training), ingests synthetic Zipf histories
 through ``Engine.apply`` (notes are written as at ingest) before starting the loop, and
 serves two RecMem services: the memory model, and the SASRec baseline that re-encodes each
-request's user's last 200 events (one forward per request, ``SASRec.encode_history``)
+request's user's last 200 events (a micro-batch's windows left-padded into one forward;
+``SASRecRanker(per_request=True)``: one ``SASRec.encode_history`` per request, as before)
 behind an engine loop of its own (the same micro-batching) and the same servicer. The client process runs
 closed-loop load at each concurrency for each request shape: 100 candidates (k=10) and
 whole-catalog top-10, replay off and on (R = 2, 4). SASRec has no notes, so each memory
