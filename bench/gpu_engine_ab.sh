@@ -9,9 +9,7 @@
 set -u
 OUT=${OUT:?set OUT to the output folder}
 OLD=${OLD:?set OLD to the old tree}
-S=/tmp/site && mkdir -p $S
-python3 -m pip install -q --no-index --no-deps --no-compile --target $S .gpu/rank/*.whl \
-  .gpu/whl/*.whl || exit 1
+. bench/gpu_site.sh || exit 1
 export PYTHONUNBUFFERED=1
 variants=()
 for v in ${VARIANTS:-default: no-archive:archive=off}; do variants+=(--variant "$v"); done

@@ -8,9 +8,7 @@
 # Checkpoints go under $TMPDIR (default /dev/shm here: each pass's are removed after it).
 set -u
 OUT=${OUT:?set OUT to the output folder}
-S=/tmp/site && mkdir -p $S
-python3 -m pip install -q --no-index --no-deps --no-compile --target $S .gpu/rank/*.whl \
-  .gpu/whl/*.whl || exit 1
+. bench/gpu_site.sh || exit 1
 export PYTHONPATH=$S:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
 export TMPDIR=${TMPDIR:-/dev/shm}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

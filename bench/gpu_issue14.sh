@@ -10,9 +10,7 @@
 #   *.log                  each step's output
 # FRONTENDS (default "0,4,8"), CLIENT_PROCS (6), CELL_S (3) and CHUNK_S (150) size the run.
 set -u
-S=/tmp/site && mkdir -p $S
-python3 -m pip install -q --no-index --no-deps --no-compile --target $S .gpu/rank/*.whl \
-  .gpu/whl/*.whl || exit 1
+. bench/gpu_site.sh || exit 1
 export PYTHONPATH=$S:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 CHUNK_BENCH=${CHUNK_BENCH:-bench/gpu_chunk_kernel.py}

@@ -16,9 +16,7 @@
 set -u
 OUT=${OUT:?set OUT to the output folder}
 OLD=${OLD:?set OLD to the old tree}
-S=/tmp/site && mkdir -p $S
-python3 -m pip install -q --no-index --no-deps --no-compile --target $S .gpu/rank/*.whl \
-  .gpu/whl/*.whl || exit 1
+. bench/gpu_site.sh || exit 1
 export PYTHONPATH=$S:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 echo "cores $(nproc)"
