@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import kafka.record.default_records as default_records  # noqa: E402
 import torch  # noqa: E402
+from bench_consume import NullSink  # noqa: E402
 from benchinfo import git_commit, machine, write_result  # noqa: E402
 from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 from kafka.record._crc32c import crc as crc32c_py  # noqa: E402
@@ -151,29 +152,13 @@ def new_path(topic: str, polls: list[Poll], limits: Limits) -> dict[str, float]:
     return out
 
 
-class EventsSink:
+class EventsSink(NullSink):
     """Old: takes ValidEvents and builds the columns the engine would (``EventBatch.of``)."""
-
-    def __init__(self) -> None:
-        self.events = 0
-        self.offsets: dict[int, int] = {}
-
-    def on_assigned(self, partitions: list[int]) -> dict[int, int]:
-        return {p: 0 for p in partitions}
-
-    def on_revoked(self, partitions: list[int]) -> None:
-        pass
 
     def apply_batch(self, events: Any, next_offsets: dict[int, int], source: Any = None) -> None:
         batch = events if isinstance(events, EventBatch) else EventBatch.of(events)
         self.events += len(batch)
         self.offsets.update(next_offsets)
-
-    def checkpoint_due(self) -> bool:
-        return False
-
-    def checkpoint(self) -> dict[int, int]:
-        return dict(self.offsets)
 
 
 class ColumnsSink(EventsSink):
