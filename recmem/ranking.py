@@ -180,6 +180,14 @@ class RankSources(Protocol):
         returns (None when not kept: the Ranker then computes them on a copy)."""
         ...
 
+    def recent_events_many(self, user_ids: Sequence[str], n: int) -> list[UserEvents]:
+        """``recent_events(u, n)`` for each of ``user_ids``, in order."""
+        ...
+
+    def recent_queries_many(self, user_ids: Sequence[str], n: int) -> list[torch.Tensor | None]:
+        """``recent_queries(u, n)`` for each of ``user_ids``, in order."""
+        ...
+
     def route_many(
         self, requests: Sequence[tuple[str, torch.Tensor, int]]
     ) -> list[list[UserEvents]]:
@@ -385,15 +393,19 @@ class Ranker:
         clock = self._lap("snapshot", clock)
 
         # Query events: the context, else (replay only) the user's latest events.
-        query_ev: list[UserEvents] = []
-        stored_q: list[torch.Tensor | None] = []
-        for i, (q, p) in enumerate(zip(queries, live_pos)):
-            if len(q.context) or not q.replay_notes or p == 0 or i in hits:
-                query_ev.append(q.context)
-                stored_q.append(None)
-            else:
-                query_ev.append(self.sources.recent_events(q.user_id, self.query_events))
-                stored_q.append(self.sources.recent_queries(q.user_id, self.query_events))
+        query_ev: list[UserEvents] = [q.context for q in queries]
+        stored_q: list[torch.Tensor | None] = [None] * len(queries)
+        latest = [
+            i
+            for i, (q, p) in enumerate(zip(queries, live_pos))
+            if not (len(q.context) or not q.replay_notes or p == 0 or i in hits)
+        ]
+        if latest:  # read for the whole batch at once
+            ids = [queries[i].user_id for i in latest]
+            evs = self.sources.recent_events_many(ids, self.query_events)
+            qs = self.sources.recent_queries_many(ids, self.query_events)
+            for i, ev, sq in zip(latest, evs, qs, strict=True):
+                query_ev[i], stored_q[i] = ev, sq
 
         # the live read-out: the stored one, or after the request's context on a copy
         state = self._with_context(queries, base)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from recmem.archive.store import (
     Note,
     PendingEvents,
     UserArchive,
+    with_votes,
 )
 from recmem.config import ArchiveConfig
 from recmem.rows import ragged_arange
@@ -577,7 +578,7 @@ class NoteBank:
             self.cfg.min_votes,
         )  # fmt: skip
         for j, i in enumerate(todo):
-            out[i] = [replace(notes[j][k], votes=int(votes[j, k])) for k in picked[j]]
+            out[i] = [with_votes(notes[j][k], int(votes[j, k])) for k in picked[j]]
         return out
 
     def route_overlap_many(

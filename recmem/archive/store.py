@@ -35,6 +35,17 @@ class Note:
         return len(self.items)
 
 
+def with_votes(note: Note, votes: int) -> Note:
+    """A copy of ``note`` with ``votes`` set: the same field values (the arrays shared, not
+    copied) as ``dataclasses.replace(note, votes=votes)`` gives, without its per-call field
+    introspection (the route of a micro-batch builds hundreds of these)."""
+    out = object.__new__(type(note))
+    fields = out.__dict__
+    fields.update(note.__dict__)
+    fields["votes"] = votes
+    return out
+
+
 @dataclass(frozen=True)
 class ReplayEvents:
     """The routed notes' raw events concatenated in chronological order, ready to replay."""

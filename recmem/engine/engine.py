@@ -12,7 +12,8 @@ events and their query features: q~, or its learned routing projection; partitio
 bookkeeping) and ``commit_notes`` (the NoteBank's write path). ``apply`` runs them in order.
 
 Read side, for the rank step (recmem/ranking.py, ``RankSources``): ``snapshot`` (copies of
-states, never the live tensors), ``recent_events``/``recent_queries`` and ``route_many``.
+states, never the live tensors), ``recent_events``/``recent_queries`` (and their ``_many`` forms for a batch) and
+``route_many``.
 """
 
 from __future__ import annotations
@@ -493,6 +494,15 @@ class Engine:
     def recent_queries(self, user_id: str, n: int) -> torch.Tensor | None:
         q = self.tails.recent_queries(user_id, n)
         return None if q is None else torch.from_numpy(q)
+
+    def recent_events_many(self, user_ids: Sequence[str], n: int) -> list[UserEvents]:
+        return self.tails.recent_many(user_ids, n)
+
+    def recent_queries_many(self, user_ids: Sequence[str], n: int) -> list[torch.Tensor | None]:
+        return [
+            None if q is None else torch.from_numpy(q)
+            for q in self.tails.recent_queries_many(user_ids, n)
+        ]
 
     def route_many(
         self, requests: Sequence[tuple[str, torch.Tensor, int]]

@@ -22,6 +22,8 @@ before.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -220,6 +222,50 @@ class RecentEvents:
         ids = self._ids(row, int(self._rows.arrays["qcount"][row]))
         return self._pool.arrays["queries"][ids][-n:]
 
+    def recent_many(self, user_ids: Sequence[str], n: int) -> list[UserEvents]:
+        """``recent(u, n)`` for each of ``user_ids`` (repeats allowed), the held users' events
+        gathered from the pool at once and split per user (views of one copy)."""
+        if n <= 0:  # -0: all of them; the rank step always asks for n >= 1
+            return [self.recent(u, n) for u in user_ids]
+        rows, take = self._takes(user_ids, n, "count")
+        a = self._rows.arrays
+        ids = a["slot"][ring_cells(rows, take, a["end"], self.keep)]
+        bounds = np.cumsum(take)[:-1]
+        cols = [np.split(v, bounds) for v in self._pool.read(ids, _EVENT_FIELDS)]
+        out = [UserEvents(it, ac, ts) for it, ac, ts in zip(*cols)]
+        if self._long:
+            for i, u in enumerate(user_ids):
+                if u in self._long:
+                    out[i] = self.recent(u, n)
+        return out
+
+    def recent_queries_many(self, user_ids: Sequence[str], n: int) -> list[np.ndarray | None]:
+        """``recent_queries(u, n)`` for each of ``user_ids`` (repeats allowed), gathered
+        from the pool at once and split per user (views of one copy)."""
+        if n <= 0 or self._qshape is None:
+            return [self.recent_queries(u, n) for u in user_ids]
+        rows, take = self._takes(user_ids, n, "qcount")
+        a = self._rows.arrays
+        ids = a["slot"][ring_cells(rows, take, a["end"], self.keep)]
+        parts = np.split(self._pool.arrays["queries"][ids], np.cumsum(take)[:-1])
+        out: list[np.ndarray | None] = [
+            q if t else None for q, t in zip(parts, take.tolist(), strict=True)
+        ]
+        if self._long:
+            for i, u in enumerate(user_ids):
+                if u in self._long:
+                    out[i] = self.recent_queries(u, n)
+        return out
+
+    def _takes(self, user_ids: Sequence[str], n: int, held: str) -> tuple[np.ndarray, np.ndarray]:
+        """The users' rows (-1: none) and how many of their latest events (``held``:
+        ``count`` or ``qcount``) up to ``n`` a read returns (0 without a row)."""
+        rows = self._rows.lookup(user_ids)
+        take = np.zeros(len(rows), np.int64)
+        known = rows >= 0
+        take[known] = np.minimum(self._rows.arrays[held][rows[known]], n)
+        return rows, take
+
     def _ids(self, row: int, c: int) -> np.ndarray:
         """Slot ids of row ``row``'s last ``c`` events, oldest first."""
         a = self._rows.arrays
@@ -359,6 +405,14 @@ class RecentEventsReference:
         """q~ [n', L, H, K] of the events ``recent(user_id, n)`` returns (None if unknown)."""
         q = self._queries.get(user_id)
         return None if q is None else q[-n:]
+
+    def recent_many(self, user_ids: Sequence[str], n: int) -> list[UserEvents]:
+        """``recent(u, n)`` for each of ``user_ids``, a user at a time."""
+        return [self.recent(u, n) for u in user_ids]
+
+    def recent_queries_many(self, user_ids: Sequence[str], n: int) -> list[np.ndarray | None]:
+        """``recent_queries(u, n)`` for each of ``user_ids``, a user at a time."""
+        return [self.recent_queries(u, n) for u in user_ids]
 
     def export(self, user_ids: list[str]) -> dict[str, np.ndarray]:
         """The tails of ``user_ids`` as flat arrays (keys ``recent.*``) for a checkpoint."""

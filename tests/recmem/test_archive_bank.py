@@ -431,3 +431,49 @@ def test_batched_chunk_close_equals_closing_chunks_one_at_a_time():
         assert bank.pending_count(user) == lens[b] % cfg.chunk_events
         total += len(want)
     assert written == total > 0
+
+
+def test_with_votes_equals_dataclasses_replace():
+    """The routed-note copy has replace()'s type and field values (the same arrays), stays
+    frozen, and leaves the stored note as it was."""
+    import dataclasses
+
+    from recmem.archive.store import Note, with_votes
+
+    rng = np.random.default_rng(5)
+    note = Note(
+        serial=7,
+        items=rng.integers(0, 50, 4),
+        item_ids=("a", "b", "c", "d"),
+        actions=rng.integers(0, 3, 4),
+        ts_ms=np.arange(4, dtype=np.int64),
+        positions=np.arange(10, 14, dtype=np.int64),
+        addresses=rng.normal(size=(CH, 8)).astype(np.float32),
+    )
+    got = with_votes(note, 3)
+    want = dataclasses.replace(note, votes=3)
+    assert type(got) is Note and got is not note
+    for f in dataclasses.fields(Note):
+        assert getattr(got, f.name) is getattr(want, f.name) or (
+            getattr(got, f.name) == getattr(want, f.name)
+        ), f.name
+    assert got.votes == 3 and note.votes == 0 and len(got) == 4
+    assert vars(got).keys() == vars(want).keys()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.votes = 1  # type: ignore[misc]
+
+
+def test_route_many_notes_are_the_stored_notes_with_votes():
+    """Each routed note carries its stored note's arrays and ids, and only votes differ."""
+    bank = NoteBank(small_cfg(), K, CH, seed=3)
+    s = make_stream(96, seed=30, planted=tuple(range(3, 96, 11)))
+    bank.observe("a", *s.part(0, 96))
+    q = np.random.default_rng(2).normal(size=(3, L, H, K)).astype(np.float32)
+    (routed,) = bank.route_many([("a", q, 3)])
+    stored = {n.serial: n for n in bank.notes("a")}
+    assert routed
+    for n in routed:
+        m = stored[n.serial]
+        assert n.votes >= 1 and m.votes == 0
+        for name in ("items", "item_ids", "actions", "ts_ms", "positions", "addresses"):
+            assert getattr(n, name) is getattr(m, name), name

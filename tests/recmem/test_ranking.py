@@ -216,3 +216,33 @@ def test_step_timers_count_each_step_once(env: RankEnv) -> None:
     assert set(spent) == {"snapshot", "route", "replay", "readout", "score"}
     assert all(v >= 0.0 for v in spent.values())
     assert spent["readout"] > 0.0
+
+
+def test_micro_batch_of_replays_reads_each_users_latest_events(
+    env: RankEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Context-free replay requests of several users (one twice, a stranger, one with R = 0)
+    in one batch: each row routes on and replays its own user's latest events and q~ (the
+    batched reads), as the single-request definition gives."""
+    monkeypatch.setattr(env.ranker, "cache", None)  # every row takes the latest events
+    users = ["user0", "user1", "user2", "user5", "user2", "stranger", "user3"]
+    rs = [2, 3, 2, 1, 4, 2, 0]
+    queries = [
+        RankQuery(u, k=N_ITEMS, replay_notes=r, request_ts_ms=REQUEST_TS)
+        for u, r in zip(users, rs, strict=True)
+    ]
+    batch = env.ranker.rank(queries)
+    n_query = env.cfg.server.replay_query_events
+    for q, got in zip(queries, batch, strict=True):
+        if q.user_id == "stranger" or not q.replay_notes:
+            assert got.notes_replayed == 0
+            continue
+        recent = env.engine.recent_events(q.user_id, n_query)
+        stored = env.engine.recent_queries(q.user_id, n_query)
+        assert stored is not None
+        routed = env.engine.bank.route(q.user_id, stored, q.replay_notes)
+        notes = [UserEvents(n.items, n.actions, n.ts_ms) for n in routed]
+        assert got.notes_replayed == len(notes) >= 1, q.user_id
+        vec = expected_vector(env, q.user_id, UserEvents.concat([*notes, recent]))
+        scores = (env.model.item_weight() @ vec).detach().numpy()
+        np.testing.assert_allclose(got.scores, scores[got.items], rtol=1e-5, atol=1e-6)

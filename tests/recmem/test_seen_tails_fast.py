@@ -137,10 +137,31 @@ def check_recent(
             if qa is not None and qb is not None:
                 assert qa.dtype == qb.dtype and qa.shape == qb.shape
                 assert qa.tobytes() == qb.tobytes(), (u, n)
+    check_recent_many(fast, ref, users + users[::-2], keep)
     assert_same_arrays(fast.export(users), ref.export(users))
     # every event slot in use belongs to one held event: none leaks on drops and restores
     rows = list(fast._rows.of.values())
     assert fast._pool.used == int(fast._rows.arrays["count"][rows].sum())
+
+
+def check_recent_many(
+    fast: RecentEvents, ref: RecentEventsReference, users: list[str], keep: int
+) -> None:
+    """The batched reads (users repeated, unknown, without q~, in the plain form) return,
+    user by user, what the per-user reads return, in the fast form and the reference."""
+    for n in (0, 1, keep, keep + 3):
+        for tails in (fast, ref):
+            got, got_q = tails.recent_many(users, n), tails.recent_queries_many(users, n)
+            assert len(got) == len(got_q) == len(users)
+            for u, a, qa in zip(users, got, got_q, strict=True):
+                b, qb = tails.recent(u, n), tails.recent_queries(u, n)
+                for f in ("items", "actions", "ts_ms"):
+                    x, y = getattr(a, f), getattr(b, f)
+                    assert x.dtype == y.dtype and x.tolist() == y.tolist(), (u, n, f)
+                assert (qa is None) == (qb is None), (u, n)
+                if qa is not None and qb is not None:
+                    assert qa.dtype == qb.dtype and qa.shape == qb.shape
+                    assert qa.tobytes() == qb.tobytes(), (u, n)
 
 
 @pytest.mark.parametrize("packed", [False, True])
