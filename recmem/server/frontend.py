@@ -76,6 +76,36 @@ class _Call:
     result: Future[rank_pb2.RankBatchResult]
 
 
+class BatchWindow:
+    """The collection rule of both batchers (``RankBatcher``, ``AioRankBatcher``): a batch
+    holds at most ``max_requests``; it waits at most ``window_ms`` for more and, with
+    ``adaptive``, only under concurrency (the previous batch held more than one request or
+    more are queued), and has enough once it holds the previous batch's size plus what
+    queued while that was sent."""
+
+    def __init__(self, max_requests: int, window_ms: float, adaptive: bool) -> None:
+        self.max = max_requests
+        self._window_s = window_ms / 1000.0
+        self._adaptive = adaptive
+        self._last_size = 1
+        self._expected = 1
+
+    def open(self, queued: bool) -> tuple[float, int]:
+        """(monotonic deadline, requests that are enough) for a batch starting now, with
+        ``queued``: more requests waiting."""
+        wait, enough = self._window_s, self.max
+        if self._adaptive:
+            if self._last_size <= 1 and not queued:
+                wait = 0.0
+            enough = min(self._expected, self.max)
+        return time.monotonic() + wait, enough
+
+    def close(self, size: int, queued: int) -> None:
+        """A batch of ``size`` is sent, ``queued`` requests waiting behind it."""
+        self._last_size = size
+        self._expected = max(1, size + queued)
+
+
 class RankBatcher:
     """Collects Rank requests into RankBatch calls on ``stub`` (the engine process's).
 
@@ -95,13 +125,9 @@ class RankBatcher:
         adaptive: bool,
     ) -> None:
         self._stub = stub
-        self._max = max_requests
-        self._window_s = window_ms / 1000.0
-        self._adaptive = adaptive
+        self._window = BatchWindow(max_requests, window_ms, adaptive)
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._in_flight = threading.Semaphore(IN_FLIGHT)
-        self._last_size = 1
-        self._expected = 1
         self.batches = 0
         self.requests = 0
         self._thread = threading.Thread(target=self._run, name="rank-batcher", daemon=True)
@@ -132,14 +158,9 @@ class RankBatcher:
 
     def _collect(self, first: _Call) -> tuple[list[_Call], bool]:
         batch = [first]
-        wait, enough = self._window_s, self._max
-        if self._adaptive:
-            if self._last_size <= 1 and self._queue.empty():
-                wait = 0.0
-            enough = min(self._expected, self._max)
-        deadline = time.monotonic() + wait
+        deadline, enough = self._window.open(not self._queue.empty())
         closing = False
-        while len(batch) < self._max:
+        while len(batch) < self._window.max:
             remaining = deadline - time.monotonic() if len(batch) < enough else 0.0
             try:
                 call = (
@@ -153,8 +174,7 @@ class RankBatcher:
                 closing = True
                 break
             batch.append(call)
-        self._last_size = len(batch)
-        self._expected = max(1, len(batch) + self._queue.qsize())
+        self._window.close(len(batch), self._queue.qsize())
         return batch, closing
 
     def _send(self, batch: list[_Call]) -> None:

@@ -36,6 +36,7 @@ from recmem.config import Config
 from recmem.server.app import AioGrpcServer
 from recmem.server.frontend import (
     IN_FLIGHT,
+    BatchWindow,
     FrontEndMetrics,
     channel_options,
     failure_trailing,
@@ -69,15 +70,11 @@ class AioRankBatcher:
 
     def __init__(self, stub: Any, *, max_requests: int, window_ms: float, adaptive: bool):
         self._stub = stub
-        self._max = max_requests
-        self._window_s = window_ms / 1000.0
-        self._adaptive = adaptive
+        self._window = BatchWindow(max_requests, window_ms, adaptive)
         self._queue: collections.deque[_Call | None] = collections.deque()
         self._wake = asyncio.Event()
         self._in_flight = asyncio.Semaphore(IN_FLIGHT)
         self._sending: set[asyncio.Task[None]] = set()
-        self._last_size = 1
-        self._expected = 1
         self.batches = 0
         self.requests = 0
         self._task = asyncio.get_running_loop().create_task(self._run(), name="rank-batcher")
@@ -132,14 +129,9 @@ class AioRankBatcher:
 
     async def _collect(self, first: _Call) -> tuple[list[_Call], bool]:
         batch = [first]
-        wait, enough = self._window_s, self._max
-        if self._adaptive:
-            if self._last_size <= 1 and not self._queue:
-                wait = 0.0
-            enough = min(self._expected, self._max)
-        deadline = time.monotonic() + wait
+        deadline, enough = self._window.open(bool(self._queue))
         closing = False
-        while len(batch) < self._max:
+        while len(batch) < self._window.max:
             remaining = deadline - time.monotonic() if len(batch) < enough else 0.0
             call = await self._next(remaining)
             if call is False:
@@ -149,8 +141,7 @@ class AioRankBatcher:
                 break
             assert isinstance(call, _Call)
             batch.append(call)
-        self._last_size = len(batch)
-        self._expected = max(1, len(batch) + len(self._queue))
+        self._window.close(len(batch), len(self._queue))
         return batch, closing
 
     def _send(self, batch: list[_Call]) -> None:
