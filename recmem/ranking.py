@@ -171,21 +171,15 @@ class RankSources(Protocol):
         """A copy of the users' states (zeros, position 0, for unknown users)."""
         ...
 
-    def recent_events(self, user_id: str, n: int) -> UserEvents:
-        """Up to ``n`` of the user's latest applied raw events (empty when not kept)."""
-        ...
-
-    def recent_queries(self, user_id: str, n: int) -> torch.Tensor | None:
-        """q~ [n', L, H, K] the engine computed for the same events ``recent_events``
-        returns (None when not kept: the Ranker then computes them on a copy)."""
-        ...
-
     def recent_events_many(self, user_ids: Sequence[str], n: int) -> list[UserEvents]:
-        """``recent_events(u, n)`` for each of ``user_ids``, in order."""
+        """For each of ``user_ids``, in order: up to ``n`` of the user's latest applied raw
+        events (empty when not kept)."""
         ...
 
     def recent_queries_many(self, user_ids: Sequence[str], n: int) -> list[torch.Tensor | None]:
-        """``recent_queries(u, n)`` for each of ``user_ids``, in order."""
+        """For each of ``user_ids``, in order: q~ [n', L, H, K] the engine computed for the
+        same events ``recent_events_many`` returns (None when not kept: the Ranker then
+        computes them on a copy)."""
         ...
 
     def route_many(
