@@ -41,20 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchinfo import git_commit
+from benchinfo import cpu_seconds, git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODES = ("threads", "aio")
 BARE = ("bare-threads", "bare-aio")
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def engine_stand_in(addresses: list[str], engine_ms: float, conn: Any) -> None:

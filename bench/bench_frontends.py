@@ -14,7 +14,10 @@ socket behind N front-end processes sharing a port, as ``recmem serve`` runs the
 client (``bench_rank.run_cell``: closed-loop threads on one channel per client process)
 runs each cell (concurrency x R, 100 candidates, k = 10) against every setting in turn,
 ``--rounds`` times with the order alternating, so slow drifts of a shared machine fall on
-both. Per cell: p50/p99/mean, throughput, and the engine loop's mean micro-batch.
+both. Per cell: p50/p99/mean, throughput, the engine loop's mean micro-batch, and where
+the cores went over the timed window (CPU seconds per wall second): the client processes,
+the front-end processes, the engine's process and its loop thread. A role near its core
+count (the loop thread: 1) is the one that bounds the cell.
 
 ``--systems memory,sasrec`` also serves the SASRec baseline of ``bench/bench_rank.py``
 (``SASRecRanker``: each request re-encodes its user's last 200 events, behind an engine
@@ -41,6 +44,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,12 +52,21 @@ from typing import Any
 
 import numpy as np
 from bench_rank import SASREC_WINDOW, SASRecRanker, build_memory_stack, cpu_name, run_cell
-from benchinfo import git_commit
+from benchinfo import cpu_seconds, git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SYSTEMS = ("memory", "sasrec")
+# CPU seconds per wall second of each role during a cell: the client processes, the
+# front-end processes, the engine's process (its loop, its gRPC server, the idle loop of
+# the other system) and its loop thread alone. A role near its core count bounds the cell.
+CORES_BUSY = (
+    "client_cores_busy",
+    "frontends_cores_busy",
+    "engine_process_cores_busy",
+    "engine_loop_cores_busy",
+)
 
 
 def serve(args: argparse.Namespace, conn: Any) -> None:
@@ -81,10 +94,11 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
             window_ms=s.batch_window_ms,
             max_batch=s.max_batch,
             adaptive=s.adaptive_window,
+            name="sasrec-loop",
         )
         loops["sasrec"] = (sas_loop.start(), "bench-sasrec")
     servers: list[Any] = []
-    fronts: list[FrontEnds] = []
+    fronts: dict[tuple[str, int], FrontEnds] = {}
     ports: dict[str, dict[int, int]] = {}
     for system in args.systems:
         loop, version = loops[system]
@@ -97,7 +111,7 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
                 front = FrontEnds(c)
                 srv = RankServer(c, loop, vocab, version,
                                  private=front.engine_address, port=front.port).start()  # fmt: skip
-                fronts.append(front.start())
+                fronts[system, n] = front.start()
             servers.append(srv)
             ports[system][n] = srv.port
     conn.send(
@@ -112,15 +126,55 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
         }
     )
     while (msg := conn.recv()) != "stop":
-        c = loops[msg][0].counts
-        conn.send({"batches": c.batches, "requests": c.requests, "busy_s": c.busy_seconds})
-    for front in fronts:
+        system, n = msg
+        c = loops[system][0].counts
+        name = "engine-loop" if system == "memory" else "sasrec-loop"
+        loop_tid = next((t.native_id for t in threading.enumerate() if t.name == name), None)
+        conn.send(
+            {
+                "batches": c.batches,
+                "requests": c.requests,
+                "busy_s": c.busy_seconds,
+                # where the cores go: this process (engine loop, its gRPC server, the other
+                # system's idle loop), its loop thread, and the cell's front-end processes
+                "engine_process_cpu_s": cpu_seconds("self"),
+                "engine_loop_cpu_s": cpu_seconds(f"self/task/{loop_tid}") if loop_tid else 0.0,
+                "frontends_cpu_s": cpu_seconds(*fronts[system, n].pids) if n else 0.0,
+            }
+        )
+    for front in fronts.values():
         front.stop(1.0)
     for srv in servers:
         srv.stop(grace=1.0)
     if "sasrec" in loops:
         loops["sasrec"][0].stop()
     built.close()
+
+
+class WindowSampler:
+    """Samples the server process's counts and CPU clocks at a cell's timed window's start
+    and end, from a thread, while the clients run (``run_cell``'s ``window`` callback)."""
+
+    def __init__(self, conn: Any, setting: tuple[str, int]) -> None:
+        self.conn, self.setting = conn, setting
+        self.samples: list[dict[str, Any]] = []
+        self._thread: threading.Thread | None = None
+
+    def start(self, start_at: float, stop_at: float) -> None:
+        def sample() -> None:
+            for at in (start_at, stop_at):
+                time.sleep(max(0.0, at - time.time()))
+                self.conn.send(self.setting)
+                self.samples.append(self.conn.recv())
+
+        self._thread = threading.Thread(target=sample, name="window-sampler", daemon=True)
+        self._thread.start()
+
+    def result(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The (start, end) samples; waits for the end one."""
+        assert self._thread is not None, "run_cell did not call the window callback"
+        self._thread.join()
+        return self.samples[0], self.samples[1]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -180,12 +234,15 @@ def main() -> None:
                         if (r + c + replay) % 2:
                             order.reverse()
                         for system, n in order:
-                            parent.send(system)
+                            parent.send((system, n))
                             before = parent.recv()
+                            sampler = WindowSampler(parent, (system, n))
                             cell = run_cell(info["ports"][system][n], c, "cand100", replay,
                                             args.seconds, args.users, args.items, seed=c,
-                                            procs=args.client_procs)  # fmt: skip
-                            parent.send(system)
+                                            procs=args.client_procs,
+                                            window=sampler.start)  # fmt: skip
+                            timed = sampler.result()
+                            parent.send((system, n))
                             after = parent.recv()
                             batches = after["batches"] - before["batches"]
                             cell.update(
@@ -198,6 +255,13 @@ def main() -> None:
                                 / max(batches, 1),
                                 engine_busy_share=(after["busy_s"] - before["busy_s"])
                                 / args.seconds,
+                                **{
+                                    f"{role}_cores_busy": (
+                                        timed[1][f"{role}_cpu_s"] - timed[0][f"{role}_cpu_s"]
+                                    )
+                                    / args.seconds
+                                    for role in ("engine_process", "engine_loop", "frontends")
+                                },
                                 load_avg_1m=os.getloadavg()[0],
                             )
                             cells.append(cell)
@@ -205,7 +269,11 @@ def main() -> None:
                                 f"round {r} {system:6s} frontends={n} c={c:2d} R={replay}: p50"
                                 f" {cell['p50_ms']:6.2f} ms p99 {cell['p99_ms']:6.2f} ms"
                                 f" {cell['throughput_rps']:7.1f} req/s engine batch"
-                                f" {cell['mean_engine_batch']:.1f} load {cell['load_avg_1m']:.1f}",
+                                f" {cell['mean_engine_batch']:.1f} load {cell['load_avg_1m']:.1f}"
+                                f" cores busy: client {cell['client_cores_busy']:.2f} front"
+                                f" ends {cell['frontends_cores_busy']:.2f} engine process"
+                                f" {cell['engine_process_cores_busy']:.2f} (loop"
+                                f" {cell['engine_loop_cores_busy']:.2f})",
                                 flush=True,
                             )
             parent.send("stop")
@@ -226,6 +294,7 @@ def main() -> None:
                         "p50_ms": float(np.mean([x["p50_ms"] for x in got])),
                         "p99_ms": float(np.mean([x["p99_ms"] for x in got])),
                         "mean_engine_batch": float(np.mean([x["mean_engine_batch"] for x in got])),
+                        **{k: float(np.mean([x[k] for x in got])) for k in CORES_BUSY},
                     }
             if "sasrec" in args.systems and "memory" in args.systems:
                 for n in args.frontends:

@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from benchinfo import git_commit, machine, write_result  # noqa: E402
+from benchinfo import cpu_seconds, git_commit, machine, write_result  # noqa: E402
 from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 
 from models.recommender import MemoryRecommender  # noqa: E402
@@ -77,15 +77,6 @@ from streams.validate import ValidEvent  # noqa: E402
 log = logging.getLogger("bench_ingest")
 
 
-def cpu_s(stat: str) -> float:
-    """CPU seconds (user + system) from a /proc stat file (0 where unreadable: not Linux)."""
-    try:
-        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def child_pids() -> list[int]:
     """This process's child processes (Linux; empty elsewhere)."""
     out: list[int] = []
@@ -100,7 +91,7 @@ def child_pids() -> list[int]:
 def thread_cpu_s() -> dict[str, float]:
     """CPU seconds so far of each live Python thread of this process, by thread name."""
     return {
-        t.name: cpu_s(f"/proc/self/task/{t.native_id}/stat")
+        t.name: cpu_seconds(f"self/task/{t.native_id}")
         for t in threading.enumerate()
         if t.native_id is not None
     }
@@ -121,20 +112,18 @@ class CpuClock:
 
     def start(self) -> None:
         self.t0, self.p0 = time.perf_counter(), time.process_time()
-        self.b0 = cpu_s(f"/proc/{self.pid}/stat")
+        self.b0 = cpu_seconds(self.pid) if self.pid is not None else 0.0
         self.threads = thread_cpu_s()
-        self.children = {pid: cpu_s(f"/proc/{pid}/stat") for pid in child_pids() if pid != self.pid}
+        self.children = {pid: cpu_seconds(pid) for pid in child_pids() if pid != self.pid}
 
     def stop(self) -> dict[str, object]:
         wall = time.perf_counter() - self.t0
         proc = time.process_time() - self.p0
-        broker = cpu_s(f"/proc/{self.pid}/stat") - self.b0
+        broker = (cpu_seconds(self.pid) if self.pid is not None else 0.0) - self.b0
         now = thread_cpu_s()
         threads = {n: round(c - self.threads.get(n, 0.0), 2) for n, c in now.items()}
         # consumer processes (kafka.consumer_processes) alive since start
-        children = {
-            str(pid): round(cpu_s(f"/proc/{pid}/stat") - c0, 3) for pid, c0 in self.children.items()
-        }
+        children = {str(pid): round(cpu_seconds(pid) - c0, 3) for pid, c0 in self.children.items()}
         kids = sum(children.values())
         out: dict[str, object] = {
             "wall_s": round(wall, 3),

@@ -46,7 +46,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -366,11 +366,13 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
 def _client_load(
     port: int, workers: list[int], shape: str, replay: int, start_at: float, seconds: float,
     users: int, n_items: int, seed: int, batch: int = 0,
-) -> tuple[list[float], list[int]]:  # fmt: skip
+) -> tuple[list[float], list[int], float]:  # fmt: skip
     """Closed-loop load from one process: a thread per worker id on one channel, from
-    wall-clock ``start_at`` for ``seconds``; returns latencies (s) and the notes replayed by
-    worker 0's first 64 calls. ``batch`` > 0: each call is a RankBatch of that many
-    requests, and its latency is recorded once per request it answered."""
+    wall-clock ``start_at`` for ``seconds``; returns latencies (s), the notes replayed by
+    worker 0's first 64 calls, and this process's CPU seconds over the timed window (the
+    client's own cost, to tell whether the client bounds a cell). ``batch`` > 0: each call
+    is a RankBatch of that many requests, and its latency is recorded once per request it
+    answered."""
     import grpc
 
     from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
@@ -421,9 +423,12 @@ def _client_load(
         ]
         for t in threads:
             t.start()
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0 = time.process_time()
         for t in threads:
             t.join()
-    return [x for xs in latencies for x in xs], notes
+        cpu = time.process_time() - cpu0
+    return [x for xs in latencies for x in xs], notes, cpu
 
 
 def _client_process(args: tuple[Any, ...], out: Any) -> None:
@@ -433,16 +438,21 @@ def _client_process(args: tuple[Any, ...], out: Any) -> None:
 def run_cell(
     port: int, concurrency: int, shape: str, replay: int, seconds: float, users: int,
     n_items: int, seed: int, procs: int = 1, batch: int = 0,
+    window: Callable[[float, float], None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One cell: ``concurrency`` closed-loop workers as threads of this process, or spread
-    over ``procs`` client processes (independent clients: no shared GIL between them)."""
+    over ``procs`` client processes (independent clients: no shared GIL between them).
+    ``window``, if given, is called first with the timed window's wall-clock start and end
+    (``time.time()``), for a caller that samples the server over the same span."""
     procs = max(1, min(procs, concurrency))
     groups = [list(range(concurrency))[p::procs] for p in range(procs)]
     lead = 1.0 if procs == 1 else 4.0  # time to start the processes and warm up
     start_at = time.time() + lead
+    if window is not None:
+        window(start_at, start_at + seconds)
     if procs == 1:
-        lat_s, notes = _client_load(port, groups[0], shape, replay, start_at, seconds, users,
-                                    n_items, seed, batch)  # fmt: skip
+        lat_s, notes, client_cpu = _client_load(port, groups[0], shape, replay, start_at,
+                                                seconds, users, n_items, seed, batch)  # fmt: skip
     else:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
@@ -458,6 +468,7 @@ def run_cell(
             p.join(30)
         lat_s = [x for r in results for x in r[0]]
         notes = [x for r in results for x in r[1]]
+        client_cpu = sum(r[2] for r in results)
     lat = np.array(lat_s) * 1000.0
     return {
         "requests": int(len(lat)),
@@ -467,6 +478,7 @@ def run_cell(
         "throughput_rps": float(len(lat) / seconds),
         "mean_notes_replayed": float(np.mean(notes)) if notes else 0.0,
         "client_processes": procs,
+        "client_cores_busy": client_cpu / seconds,
     }
 
 

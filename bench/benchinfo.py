@@ -99,3 +99,18 @@ def latency_percentiles(seconds: list[float]) -> dict[str, float]:
         "p99_ms": round(float(np.percentile(a, 99)), 3),
         "mean_ms": round(float(a.mean()), 3),
     }
+
+
+def cpu_seconds(*pids: int | str) -> float:
+    """User + system CPU seconds so far of the processes ``pids`` (all their threads), summed;
+    a pid may be ``"self"``, or ``"self/task/TID"`` for one thread of this process. A process
+    that has exited, or a machine without /proc, counts 0."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
-from benchinfo import git_commit, latency_percentiles, machine_facts  # noqa: E402
+from benchinfo import cpu_seconds, git_commit, latency_percentiles, machine_facts  # noqa: E402
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc  # noqa: E402
 
@@ -168,11 +168,6 @@ def serve(role: str, owner: str, ready_path: str, timings_path: str) -> None:
     srv.wait()
 
 
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def hop_alone(calls: int, tmp: Path) -> dict[str, Any]:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     ports: dict[str, int] = {}
@@ -204,7 +199,7 @@ def hop_alone(calls: int, tmp: Path) -> dict[str, Any]:
             for stub in stubs:
                 stub.Rank(request, timeout=10)
         times: list[list[float]] = [[] for _ in names]
-        cpu0 = {n: cpu_s(p.pid) for n, p in procs.items()}
+        cpu0 = {n: cpu_seconds(p.pid) for n, p in procs.items()}
         client0 = time.process_time()
         for k in range(calls):
             order = list(range(len(names)))
@@ -215,7 +210,7 @@ def hop_alone(calls: int, tmp: Path) -> dict[str, Any]:
                 stubs[i].Rank(request, timeout=10)
                 times[i].append(time.perf_counter() - t)
         client_cpu = time.process_time() - client0
-        cpu = {n: cpu_s(p.pid) - cpu0[n] for n, p in procs.items()}
+        cpu = {n: cpu_seconds(p.pid) - cpu0[n] for n, p in procs.items()}
         for ch in channels:
             ch.close()
     finally:

@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
-from benchinfo import git_commit, latency_percentiles, machine, write_result  # noqa: E402
+from benchinfo import cpu_seconds, git_commit, latency_percentiles, machine, write_result  # noqa: E402
 
 log = logging.getLogger("host_members")
 CANDIDATES = 100
@@ -155,19 +155,6 @@ def crossing(trace: list[tuple[float, int]], level: float) -> float:
     return trace[-1][0]
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of the processes (all their threads) so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
 def _client(
     addresses: list[str], threads: int, users: list[str], items: list[str], replay: int,
     start_at: float, seconds: float, seed: int, out: Any,
@@ -236,9 +223,9 @@ def rank_cell(
     for p in ps:
         p.start()
     time.sleep(max(0.0, start_at - time.time()))
-    members0 = cpu_seconds(member_pids)
+    members0 = cpu_seconds(*member_pids)
     time.sleep(seconds)
-    members_cpu = cpu_seconds(member_pids) - members0
+    members_cpu = cpu_seconds(*member_pids) - members0
     results = [out.get(timeout=seconds + 180) for _ in ps]
     for p in ps:
         p.join(30)
