@@ -117,6 +117,7 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
     conn.send(
         {
             "ports": ports,
+            "pid": os.getpid(),
             "device": made["device"],
             "device_name": torch.cuda.get_device_name()
             if made["device"].startswith("cuda")
@@ -226,7 +227,9 @@ def main() -> None:
         proc.start()
         try:
             info = parent.recv()
-            print(f"server on {info['device']}: ports {info['ports']}", flush=True)
+            print(
+                f"server on {info['device']} (pid {info['pid']}): ports {info['ports']}", flush=True
+            )
             for r in range(args.rounds):
                 for c in args.concurrency:
                     for replay in args.replay:
