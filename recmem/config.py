@@ -333,6 +333,14 @@ class ServerConfig:
     RankBatch (grpc.aio), with no thread hand-off per call. The same answers, statuses,
     security, health, drain and metrics either way (docs/serving.md, "Front-end
     processes")."""
+    frontend_packed: bool = True
+    """With ``frontends`` in ``threads`` mode: a front end validates its Rank calls itself,
+    looks their candidates up in the engine's vocabulary and builds the responses, and
+    sends the engine process numpy arrays (item indices in, item indices and scores out)
+    instead of a RankBatch, so the engine process's one core goes to the rank step. The
+    same answers, statuses and metrics. Used only where the engine offers it (an instance
+    without routing); otherwise, for calls forwarded by another instance, and for requests
+    that fail validation, the RankBatch path (docs/serving.md, "Front-end processes")."""
     request_timeout_s: float = 30.0
     """Longest a rank call waits for its micro-batch (the client deadline applies if shorter)."""
     shutdown_grace_s: float = 5.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +126,19 @@ def _log_started(cfg: Config, port: int, tls: bool) -> None:
         )
 
 
+def _undecodable_counting(
+    metrics: RankMetrics | None, undecodable: Callable[[str], None] | None
+) -> tuple[RankMetrics | None, Callable[[str], None]]:
+    """A server's metrics and what counts an undecodable call by method: ``undecodable``
+    when given (a front end: its own counter, and no RankMetrics, whose values would land
+    in the service's metrics beside the engine's under the same names), else the
+    metrics' counter (``metrics``, or new ones)."""
+    if undecodable is not None:
+        return metrics, undecodable
+    rank = metrics if metrics is not None else RankMetrics()
+    return rank, lambda method: rank.undecodable.labels(method=method).inc()
+
+
 class GrpcServer:
     """Owns a grpc.Server serving ``servicer`` (the RecMem API) with the health servicer,
     reflection and the interceptors (call arrivals, bearer token, undecodable payloads).
@@ -150,12 +164,13 @@ class GrpcServer:
         private: str = "",
         port: int | None = None,
         reuse_port: bool = False,
+        undecodable: Callable[[str], None] | None = None,
     ) -> None:
         s = cfg.server
         self.cfg = cfg
-        self.metrics = metrics if metrics is not None else RankMetrics()
+        self.metrics, count_undecodable = _undecodable_counting(metrics, undecodable)
         self.arrivals = CallArrivals()
-        guard = DecodeGuard(lambda method: self.metrics.undecodable.labels(method=method).inc())
+        guard = DecodeGuard(count_undecodable)
         interceptors: list[grpc.ServerInterceptor] = [self.arrivals]
         if s.auth_token and not private:
             interceptors.append(BearerTokenInterceptor(s.auth_token))
@@ -238,14 +253,15 @@ class AioGrpcServer:
         *,
         port: int | None = None,
         reuse_port: bool = False,
+        undecodable: Callable[[str], None] | None = None,
     ) -> None:
         from grpc_health.v1 import _async as health_async
 
         s = cfg.server
         self.cfg = cfg
-        self.metrics = metrics if metrics is not None else RankMetrics()
+        self.metrics, count_undecodable = _undecodable_counting(metrics, undecodable)
         self.arrivals = AioCallArrivals()
-        guard = AioDecodeGuard(lambda method: self.metrics.undecodable.labels(method=method).inc())
+        guard = AioDecodeGuard(count_undecodable)
         interceptors: list[grpc.aio.ServerInterceptor] = [self.arrivals]
         if s.auth_token:
             interceptors.append(AioBearerTokenInterceptor(s.auth_token))
@@ -322,3 +338,5 @@ class RankServer(GrpcServer):
             router=router,
         )
         super().__init__(cfg, servicer, metrics, private=private, port=port)
+        if private:  # the front ends' packed path (recmem/server/packed.py)
+            self.server.add_generic_rpc_handlers((servicer.packed_handler(),))

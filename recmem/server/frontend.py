@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -53,9 +55,13 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.client import GENERATION, OWNER, PARTITION, RETRY_PUSHBACK
 from recmem.config import Config
+from recmem.queries import RankQuery
+from recmem.server import packed
 from recmem.server.app import GrpcServer
 from recmem.server.metrics import LATENCY_BUCKETS
+from recmem.server.packed import EngineDescription
 from recmem.server.routing import FORWARDED
+from recmem.server.validation import InvalidRequest, to_queries
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +129,10 @@ class RankBatcher:
         max_requests: int,
         window_ms: float,
         adaptive: bool,
+        packed: PackedClient | None = None,
     ) -> None:
         self._stub = stub
+        self._packed = packed
         self._window = BatchWindow(max_requests, window_ms, adaptive)
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._in_flight = threading.Semaphore(IN_FLIGHT)
@@ -182,17 +190,32 @@ class RankBatcher:
         groups: dict[str, list[_Call]] = {}
         for c in live:
             groups.setdefault(c.forwarded, []).append(c)
-        if not groups:
+        jobs = [(calls, self._rank_batch(forwarded, calls)) for forwarded, calls in groups.items()]
+        described = self._packed.ready() if self._packed is not None and "" in groups else None
+        if described is not None:
+            jobs = [j for j in jobs if j[0] is not groups[""]]
+            good, bad = self._split(groups[""], described)
+            if bad:  # the engine process answers (and counts) them as RankBatch does
+                jobs.append((bad, self._rank_batch("", bad)))
+            if good:
+                jobs.append(([c for c, _ in good], self._rank_packed(good, described)))
+        if not jobs:
             self._in_flight.release()
             return
         self.batches += 1
         self.requests += len(live)
-        left = [len(groups)]
+        left = [len(jobs)]
         lock = threading.Lock()
 
-        def done(calls: list[_Call], fut: grpc.Future) -> None:
+        def finished() -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    self._in_flight.release()
+
+        def done(calls: list[_Call], answers: _Answers, fut: grpc.Future) -> None:
             try:
-                results = list(fut.result().results)
+                results = answers(fut.result())
                 if len(results) != len(calls):
                     raise RuntimeError(f"{len(results)} results for {len(calls)} requests")
                 for c, r in zip(calls, results):
@@ -201,27 +224,109 @@ class RankBatcher:
                 for c in calls:
                     c.result.set_exception(e)
             finally:
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        self._in_flight.release()
+                finished()
 
         now = time.monotonic()
-        for forwarded, calls in groups.items():
+        for calls, (start, answers) in jobs:
             timeout = max(max(c.deadline for c in calls) - now, 0.001)
-            metadata = ((FORWARDED, forwarded),) if forwarded else ()
-            request = rank_pb2.RankBatchRequest(requests=[c.request for c in calls])
             try:
-                fut = self._stub.RankBatch.future(request, timeout=timeout, metadata=metadata)
+                fut = start(timeout)
             except BaseException as e:  # noqa: BLE001 - e.g. the channel closed: callers get it
                 for c in calls:
                     c.result.set_exception(e)
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        self._in_flight.release()
+                finished()
                 continue
-            fut.add_done_callback(lambda f, calls=calls: done(calls, f))
+            fut.add_done_callback(lambda f, calls=calls, answers=answers: done(calls, answers, f))
+
+    def _rank_batch(self, forwarded: str, calls: list[_Call]) -> tuple[_Start, _Answers]:
+        """How ``calls`` go to the engine process as one RankBatch, and its answers."""
+        metadata = ((FORWARDED, forwarded),) if forwarded else ()
+        request = rank_pb2.RankBatchRequest(requests=[c.request for c in calls])
+
+        def start(timeout: float) -> grpc.Future:
+            return self._stub.RankBatch.future(request, timeout=timeout, metadata=metadata)
+
+        return start, lambda response: list(response.results)
+
+    @staticmethod
+    def _split(
+        calls: list[_Call], described: EngineDescription
+    ) -> tuple[list[tuple[_Call, RankQuery]], list[_Call]]:
+        """The calls whose requests validate, with their queries, and the others."""
+        good, bad = [], []
+        queries = to_queries([c.request for c in calls], described.vocab, described.limits)
+        for c, q in zip(calls, queries, strict=True):
+            if isinstance(q, InvalidRequest):
+                bad.append(c)
+            else:
+                good.append((c, q))
+        return good, bad
+
+    def _rank_packed(
+        self, good: list[tuple[_Call, RankQuery]], described: EngineDescription
+    ) -> tuple[_Start, _Answers]:
+        """How validated calls go to the engine process packed, and its answers as the
+        RankBatchResults RankBatch would have given."""
+        assert self._packed is not None
+        request = packed.pack_queries([q for _, q in good])
+        rank = self._packed.rank
+
+        def start(timeout: float) -> grpc.Future:
+            return rank.future(request, timeout=timeout)
+
+        def answers(response: bytes) -> list[rank_pb2.RankBatchResult]:
+            return packed.unpack_results(
+                response, len(good), described.vocab.item_ids, described.model_version
+            )
+
+        return start, answers
+
+
+_Start = Callable[[float], grpc.Future]
+"""Starts a call to the engine process with a timeout (seconds)."""
+_Answers = Callable[[Any], Sequence[rank_pb2.RankBatchResult]]
+"""Turns the engine process's answer into one RankBatchResult per call, in order."""
+
+
+class PackedClient:
+    """A front end's side of the packed path (recmem/server/packed.py, ``server.frontend_packed``):
+    the engine process's description, asked for on first use and again at most every
+    ``RETRY_S`` while it cannot be had. An engine that does not offer the path (an
+    instance that routes calls, or one without the methods) is not asked again: RankBatch
+    serves every call."""
+
+    RETRY_S = 1.0
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._describe = channel.unary_unary(packed.DESCRIBE)
+        self.rank = channel.unary_unary(packed.RANK)
+        self.description: EngineDescription | None = None
+        self.off = False
+        self._asked_at = -math.inf
+
+    def ready(self) -> EngineDescription | None:
+        """The description, or None where the packed path is not (yet) to be used."""
+        if self.description is not None or self.off:
+            return self.description
+        now = time.monotonic()
+        if now - self._asked_at < self.RETRY_S:
+            return None
+        self._asked_at = now
+        try:
+            described = EngineDescription.parse(self._describe(b"", timeout=2.0))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+                self.off = True
+                log.info("the engine process has no packed path; RankBatch serves every call")
+            else:
+                log.warning("the engine process's description failed (RankBatch meanwhile): %s", e)
+            return None
+        if not described.packed:
+            self.off = True
+            log.info("the engine process routes calls; RankBatch serves every call")
+            return None
+        self.description = described
+        return described
 
 
 def status_code(code: int) -> grpc.StatusCode:
@@ -294,6 +399,16 @@ class FrontEndMetrics:
             ["code"],
             registry=registry,
         )
+        self.undecodable = Counter(
+            "recmem_frontend_undecodable_requests",
+            "Calls whose payload did not parse at the front ends (answered INVALID_ARGUMENT), "
+            "by method",
+            ["method"],
+            registry=registry,
+        )
+
+    def count_undecodable(self, method: str) -> None:
+        self.undecodable.labels(method=method).inc()
 
 
 class FrontEndServicer(rank_pb2_grpc.RecMemServicer):
@@ -311,6 +426,7 @@ class FrontEndServicer(rank_pb2_grpc.RecMemServicer):
             max_requests=s.max_batch_requests,
             window_ms=s.batch_window_ms,
             adaptive=s.adaptive_window,
+            packed=PackedClient(channel) if s.frontend_packed else None,
         )
 
     def _timeout(self, context: grpc.ServicerContext) -> float:
@@ -390,7 +506,13 @@ class FrontEnd:
         self.channel = grpc.insecure_channel(engine, options=channel_options())
         metrics = FrontEndMetrics() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
         self.servicer = FrontEndServicer(self.channel, cfg, metrics)
-        self.server = GrpcServer(cfg, self.servicer, port=port, reuse_port=True)
+        self.server = GrpcServer(
+            cfg,
+            self.servicer,
+            port=port,
+            reuse_port=True,
+            undecodable=metrics.count_undecodable if metrics is not None else None,
+        )
         self._watch: Any = None
         self._stopping = threading.Event()
         self._mirror = threading.Thread(target=self._mirror_health, name="health", daemon=True)

@@ -315,7 +315,13 @@ class AioFrontEnd:
     def __init__(self, cfg: Config, engine: str, port: int, metrics: FrontEndMetrics | None):
         self.channel = grpc.aio.insecure_channel(engine, options=channel_options())
         self.servicer = AioFrontEndServicer(self.channel, cfg, metrics)
-        self.server = AioGrpcServer(cfg, self.servicer, port=port, reuse_port=True)
+        self.server = AioGrpcServer(
+            cfg,
+            self.servicer,
+            port=port,
+            reuse_port=True,
+            undecodable=metrics.count_undecodable if metrics is not None else None,
+        )
         self._stopping = asyncio.Event()
         self._watch: Any = None
         self._mirror: asyncio.Task[None] | None = None

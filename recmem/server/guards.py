@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 RECMEM_PREFIX = "/recmem.v1.RecMem/"
 """Full method names of the RecMem service start with this."""
+ARRIVAL_PREFIXES = (RECMEM_PREFIX, "/recmem.internal.v1.")
+"""The calls a stopping server waits to stop coming: RecMem's, and the front ends' packed
+calls to the engine process (recmem/server/packed.py)."""
 
 
 class Undecodable:
@@ -135,7 +138,8 @@ class AioDecodeGuard(DecodeGuard, grpc.aio.ServerInterceptor):
 
 
 class CallArrivals(grpc.ServerInterceptor):
-    """Notes when the latest RecMem call arrived (health checks and reflection do not count)."""
+    """Notes when the latest RecMem or packed call arrived (health checks and reflection do
+    not count)."""
 
     def __init__(self) -> None:
         self.latest = -math.inf  # monotonic seconds
@@ -145,7 +149,7 @@ class CallArrivals(grpc.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        if handler_call_details.method.startswith(RECMEM_PREFIX):  # type: ignore[attr-defined]
+        if handler_call_details.method.startswith(ARRIVAL_PREFIXES):  # type: ignore[attr-defined]
             self.latest = time.monotonic()
         return continuation(handler_call_details)
 
@@ -170,7 +174,7 @@ class AioCallArrivals(CallArrivals, grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Any],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        if handler_call_details.method.startswith(RECMEM_PREFIX):  # type: ignore[attr-defined]
+        if handler_call_details.method.startswith(ARRIVAL_PREFIXES):  # type: ignore[attr-defined]
             self.latest = time.monotonic()
         return await continuation(handler_call_details)  # type: ignore[no-any-return]
 

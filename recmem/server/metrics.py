@@ -45,6 +45,12 @@ class RankMetrics:
             ["route"],
             registry=r,
         )
+        self.packed_requests = Counter(
+            f"{prefix}_packed_requests",
+            "Rank calls a front end sent packed (server.frontend_packed), also counted in "
+            f"{prefix}_requests_total",
+            registry=r,
+        )
         self.replay_cache_hits = Counter(
             f"{prefix}_replay_cache_hits",
             "Replay rank calls answered from the replay cache (server.replay_cache_users)",

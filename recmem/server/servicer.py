@@ -19,9 +19,11 @@ import grpc
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.client import GENERATION, OWNER, PARTITION, RETRY_PUSHBACK
 from recmem.engine import LoopStopped, PartitionUnavailable, UserInfo
-from recmem.ranking import RankQuery, RankResult
+from recmem.queries import RankQuery, RankResult
 from recmem.routing import OwnerMap
+from recmem.server import packed
 from recmem.server.metrics import RankMetrics
+from recmem.server.packed import fill_response
 from recmem.server.routing import FORWARDED, Forwarder, RoutingFailure, passthrough
 from recmem.server.validation import InvalidRequest, Limits, to_queries, to_query
 from recmem.vocab import ItemVocab
@@ -237,23 +239,84 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         # logged by the engine loop; the client gets INTERNAL
         return _Failure(grpc.StatusCode.INTERNAL, "rank failed; see the server log")
 
-    def _fill(self, response: rank_pb2.RankResponse, res: RankResult) -> None:
-        """Write a result into an empty RankResponse (and count it in the metrics)."""
+    def _count(self, res: RankResult) -> None:
+        """Count a result in the metrics (notes replayed, cold starts, replay cache hits)."""
         if self._metrics is not None:
             self._metrics.notes_replayed.inc(res.notes_replayed)
             if res.cold_start:
                 self._metrics.cold_starts.inc()
             if res.from_cache:
                 self._metrics.replay_cache_hits.inc()
-        ids = self._vocab.item_ids
-        add = response.items.add
-        for i, s in zip(res.items.tolist(), res.scores.tolist()):
-            add(item_id=ids[i], score=s)
-        response.model_version = self._model_version
-        response.position = res.position
-        response.cold_start = res.cold_start
-        response.notes_replayed = res.notes_replayed
-        response.context_applied = res.context_applied
+
+    def _fill(self, response: rank_pb2.RankResponse, res: RankResult) -> None:
+        """Write a result into an empty RankResponse (and count it in the metrics)."""
+        self._count(res)
+        fill_response(
+            response,
+            self._vocab.item_ids,
+            res.items.tolist(),
+            res.scores.tolist(),
+            self._model_version,
+            res.position,
+            res.cold_start,
+            res.notes_replayed,
+            res.context_applied,
+        )
+
+    def describe_packed(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """The packed path's description (recmem/server/packed.py): offered only without a
+        router, whose per-request routing the packed path does not do."""
+        return packed.describe(self._router is None, self._model_version, self._vocab, self._limits)
+
+    def rank_packed(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """A front end's packed batch of validated queries: handed to the engine loop as one
+        submission, as RankBatch hands the requests it owns, each answered (and counted in
+        the metrics) as RankBatch would answer it."""
+        if self._router is not None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the packed path is not offered by an instance that routes calls",
+            )
+        try:
+            queries = packed.unpack_queries(request, self._vocab.n_items)
+        except packed.PackedError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        n, most = len(queries), self._limits.max_batch_requests
+        if not 1 <= n <= most:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a packed batch holds {n} requests; 1 to {most} are accepted",
+            )
+        if self._metrics is not None:
+            self._metrics.packed_requests.inc(n)
+        timeout = self._deadline(context)
+        got = self._wait_many(self._submit_many(queries, [None] * n), n, timeout)
+        out: list[RankResult | rank_pb2.RankBatchResult] = []
+        for res in got:
+            if isinstance(res, RankResult):
+                self._count(res)
+                out.append(res)
+                code = grpc.StatusCode.OK
+            else:
+                failure = res if isinstance(res, RoutingFailure) else self._failure(res)
+                out.append(_batch_failure(failure))
+                code = failure.code
+            if self._metrics is not None:
+                self._metrics.requests.labels(code=code.name).inc()
+        return packed.pack_results(out)
+
+    def packed_handler(self) -> grpc.GenericRpcHandler:
+        """The packed path's methods, for the engine process's private server."""
+        return grpc.method_handlers_generic_handler(
+            packed.SERVICE,
+            {
+                name: grpc.unary_unary_rpc_method_handler(method)
+                for name, method in (
+                    ("Describe", self.describe_packed),
+                    ("RankPacked", self.rank_packed),
+                )
+            },
+        )
 
     def RankBatch(
         self, request: rank_pb2.RankBatchRequest, context: grpc.ServicerContext

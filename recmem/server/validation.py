@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from proto.recmem.v1 import rank_pb2
-from recmem.ranking import RankQuery, UserEvents
+from recmem.queries import RankQuery, UserEvents
 from recmem.vocab import ItemVocab
 from streams.codec import action_from_wire
 from streams.validate import Limits as EventLimits

@@ -144,12 +144,27 @@ def test_a_bad_request_fails_as_in_one_process(
 
 
 def test_an_undecodable_payload_is_refused_at_the_front_end(svc: RecMemService) -> None:
+    name, label = "recmem_frontend_undecodable_requests_total", {"method": "/recmem.v1.RecMem/Rank"}
+    before = svc.metrics.registry.get_sample_value(name, label) or 0
     with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
         raw = ch.unary_unary("/recmem.v1.RecMem/Rank")
         with pytest.raises(grpc.RpcError) as err:
             raw(b"\xff\xff\xff", timeout=TIMEOUT)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "does not parse" in (err.value.details() or "")
+    assert svc.metrics.registry.get_sample_value(name, label) == before + 1
+
+
+def test_the_metrics_name_each_family_once(svc: RecMemService) -> None:
+    """The front ends' values (summed from their files) never repeat a family of the
+    engine's: Prometheus refuses a scrape with a second TYPE line for a name."""
+    from prometheus_client import generate_latest
+
+    types = [x for x in generate_latest(svc.metrics.registry).decode().splitlines()
+             if x.startswith("# TYPE ")]  # fmt: skip
+    assert len(types) == len(set(types))
+    assert "# TYPE recmem_frontend_rank_requests_total counter" in types
+    assert "# TYPE recmem_rank_requests_total counter" in types
 
 
 def test_concurrent_callers_share_engine_batches(
@@ -160,6 +175,7 @@ def test_concurrent_callers_share_engine_batches(
     counts = svc.built.loop.counts
     registry = svc.metrics.registry
     ok_before = registry.get_sample_value("recmem_rank_requests_total", {"code": "OK"}) or 0
+    packed_before = registry.get_sample_value("recmem_rank_packed_requests_total") or 0
     front = "recmem_frontend_rank_latency_seconds_count"
     timed_before = registry.get_sample_value(front) or 0
     batches_before, requests_before = counts.batches, counts.requests
@@ -189,6 +205,9 @@ def test_concurrent_callers_share_engine_batches(
     assert counts.largest_batch > 1
     ok = registry.get_sample_value("recmem_rank_requests_total", {"code": "OK"})
     assert ok == ok_before + n  # each front-end call counted in the engine's metrics
+    # the threads front end sends them packed (server.frontend_packed), aio as RankBatch
+    packed = registry.get_sample_value("recmem_rank_packed_requests_total") - packed_before
+    assert packed == (n if svc.cfg.server.frontend_mode == "threads" else 0)
     # and timed at the front end that answered it, summed over the front-end processes
     assert registry.get_sample_value(front) == timed_before + n
     slow = registry.get_sample_value("recmem_frontend_rank_latency_seconds_bucket", {"le": "+Inf"})
