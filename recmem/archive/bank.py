@@ -494,7 +494,7 @@ class NoteBank:
         same notes as ``route_many_plain`` gives: the queries leave their device in one
         piece, every request's inner products with its user's notes (read from that user's
         index, never another's) are one faiss call over the batch, and the vote of all
-        requests is one padded computation."""
+        requests is one computation over their query rows (``_route_rows``)."""
         if self._gpu is not None:  # a GPU index's rows cannot be read off the host
             return self.route_many_plain(requests)
         qs = [q for _, q, _ in requests]
