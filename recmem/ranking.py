@@ -45,6 +45,7 @@ from models.recommender import MemoryRecommender
 from models.state import MemoryState
 from recmem.archive.routing import ROUTINGS, overlap_weights
 from recmem.queries import RankQuery, RankResult, UserEvents
+from recmem.rows import ragged_arange
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,30 @@ def _pad(rows: Sequence[UserEvents], device: torch.device) -> tuple[torch.Tensor
         n = len(r)
         items[b, :n], actions[b, :n], ts[b, :n], lengths[b] = r.items, r.actions, r.ts_ms, n
     return tuple(torch.from_numpy(a).to(device) for a in (items, actions, ts, lengths))
+
+
+def _pad_joined(
+    rows: Sequence[Sequence[UserEvents]], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """``_pad([UserEvents.concat(parts) for parts in rows], device)`` (its plain form) with
+    one concatenation of every part of every row per field and one scatter into the padded
+    arrays, not a concatenation per row and a copy per row."""
+    B = len(rows)
+    parts = [p for ps in rows for p in ps]
+    sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+    owner = np.repeat(np.arange(B), [len(ps) for ps in rows])
+    lengths = np.zeros(B, dtype=np.int64)
+    np.add.at(lengths, owner, sizes)
+    T = int(lengths.max()) if B else 0
+    cells = ragged_arange(np.arange(B, dtype=np.int64) * T, lengths)  # valid cells of [B, T]
+    full = [p for p in parts if len(p)]
+    out = []
+    for name in ("items", "actions", "ts_ms"):
+        padded = np.zeros(B * T, dtype=np.int64)
+        if full:
+            padded[cells] = np.concatenate([getattr(p, name) for p in full]).astype(np.int64)
+        out.append(padded.reshape(B, T))
+    return tuple(torch.from_numpy(a).to(device) for a in (*out, lengths))
 
 
 class Ranker:
@@ -360,8 +385,8 @@ class Ranker:
                 live = self._context_readout(queries, base, need)
         replayed = live
         if replay_rows:
-            rows_ev = [UserEvents.concat([*notes[i], query_ev[i]]) for i in replay_rows]
-            items, actions, ts, lengths = _pad(rows_ev, self.device)
+            rows_ev = [[*notes[i], query_ev[i]] for i in replay_rows]  # joined and padded
+            items, actions, ts, lengths = _pad_joined(rows_ev, self.device)
             if len(replay_rows) == len(queries):
                 # every row runs (the read-out-only pass never writes the snapshot)
                 replayed = self._replay(items, actions, ts, lengths, base)

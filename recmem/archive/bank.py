@@ -12,10 +12,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources
+from recmem.archive.index import (
+    GPU_MAX_K,
+    UserAddressIndex,
+    gpu_resources,
+    inner_products_by_rows,
+    masked_cosines,
+)
 from recmem.archive.open_chunks import INT_FIELDS, EventColumns, OpenChunks
 from recmem.archive.persist import pack_users, unpack_users
-from recmem.archive.routing import overlap_rank, vote_rank
+from recmem.archive.routing import overlap_rank, vote_pick, vote_rank
 from recmem.archive.selection import (
     address_coords,
     distinctiveness,
@@ -484,26 +490,60 @@ class NoteBank:
         return self.route_many([(user_id, q, r)])[0]
 
     def route_many(self, requests: Sequence[tuple[str, Any, int | None]]) -> list[list[Note]]:
-        """``route`` for several (user, q~, r) requests at once (a rank micro-batch): the
-        vote runs on all of them together; each user's search still reads only that
-        user's index."""
-        addrs = []
-        for _, q, _ in requests:
+        """``route`` for several (user, q~, r) requests at once (a rank micro-batch), the
+        same notes as ``route_many_plain`` gives: the queries leave their device in one
+        piece, every request's inner products with its user's notes (read from that user's
+        index, never another's) are one faiss call over the batch, and the vote of all
+        requests is one computation over their query rows (``_route_rows``)."""
+        if self._gpu is not None:  # a GPU index's rows cannot be read off the host
+            return self.route_many_plain(requests)
+        qs = [q for _, q, _ in requests]
+        shapes = [tuple(q.shape) for q in qs]
+        dims = [self._query_dims(s) for s in shapes]
+        lens = np.array([n for n, _ in dims], dtype=np.int64)
+        bad = [k for _, k in dims if k != self.query_dim]
+        if bad:
+            raise ValueError(f"queries end in {bad[0]} dims, query_dim is {self.query_dim}")
+        if qs and all(isinstance(q, torch.Tensor) for q in qs):
+            if len({q.device for q in qs}) > 1:
+                qs = [q.detach().cpu() for q in qs]
+            if len(set(s[1:] for s in shapes)) == 1 and len(shapes[0]) in (3, 4):
+                whole = torch.cat(qs)  # [n, L, H, K] or [n, C_ch, K] alike: no reshape each
+            else:
+                whole = torch.cat([q.reshape(-1, q.shape[-1]) for q in qs])
+            stacked = _numpy(whole, np.float32).reshape(int(lens.sum()), self.n_channels, -1)
+        else:
+            parts = [_numpy(q, np.float32).reshape(-1, self.n_channels, k) for q, (_, k) in
+                     zip(qs, dims, strict=True)]  # fmt: skip
+            stacked = np.concatenate(
+                parts or [np.zeros((0, self.n_channels, self.query_dim), np.float32)]
+            )
+        rows = self.address(stacked)  # [sum n, C_ch, d_rho]
+        rs = [r for _, _, r in requests]
+        return self._route_rows([u for u, _, _ in requests], rows, lens, rs)
+
+    def route_many_plain(self, requests: Sequence[tuple[str, Any, int | None]]) -> list[list[Note]]:
+        """The plain reference of ``route_many``: request after request, its user's index
+        searched and the vote of that request alone (``_route_one``). Also the route of
+        GPU indexes."""
+        out = []
+        for user_id, q, r in requests:
             arr = _numpy(q, np.float32)
-            # [n, L, H, K] always merges (L, H); a 3-d [L, H, K] only when it cannot be
-            # [n, C_ch, K]
-            merge_lh = arr.ndim == 4 or (arr.ndim == 3 and arr.shape[-2] != self.n_channels)
-            if merge_lh and arr.shape[-3] * arr.shape[-2] == self.n_channels:
-                arr = arr.reshape(*arr.shape[:-3], self.n_channels, arr.shape[-1])
-            if arr.ndim not in (2, 3) or arr.shape[-2] != self.n_channels:
-                raise ValueError(
-                    f"queries must be [n, {self.n_channels}, K] or [n, L, H, K], "
-                    f"got {list(arr.shape)}"
-                )
-            addrs.append(self.address(arr))
-        return self._route_addresses_many(
-            [u for u, _, _ in requests], addrs, [r for _, _, r in requests]
-        )
+            n, k = self._query_dims(arr.shape)
+            out.append(self._route_one(user_id, self.address(arr.reshape(n, -1, k)), r))
+        return out
+
+    def _query_dims(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(query positions, feature dims) of queries of ``shape``: [n, C_ch, K],
+        [n, L, H, K] or one position [C_ch, K] or [L, H, K] (a 3-d shape merges its
+        leading axes only when it cannot be [n, C_ch, K])."""
+        ch = self.n_channels
+        merge_lh = len(shape) == 4 or (len(shape) == 3 and shape[-2] != ch)
+        if merge_lh and shape[-3] * shape[-2] == ch:
+            shape = (*shape[:-3], ch, shape[-1])
+        if len(shape) not in (2, 3) or shape[-2] != ch:
+            raise ValueError(f"queries must be [n, {ch}, K] or [n, L, H, K], got {list(shape)}")
+        return (shape[0] if len(shape) == 3 else 1), shape[-1]
 
     def route_addresses(self, user_id: str, u: Any, r: int | None = None) -> list[Note]:
         """Each channel votes for the user's note whose address is the most cosine-similar
@@ -515,70 +555,117 @@ class NoteBank:
         up with unvoted notes by the same summed cosine, unless ``archive.min_votes`` > 0:
         then only notes with at least that many votes are returned (possibly none). A user
         without notes gets []."""
-        return self._route_addresses_many([user_id], [u], [r])[0]
+        u_a = self._unit_rows(u)
+        if self._gpu is not None:
+            return self._route_one(user_id, u_a, r)
+        return self._route_rows([user_id], u_a, np.array([len(u_a)]), [r])[0]
 
-    def _route_addresses_many(
-        self, user_ids: Sequence[str], addrs: Sequence[Any], rs: Sequence[int | None]
+    def _unit_rows(self, u: Any) -> np.ndarray:
+        """Query addresses [n, C_ch, d_rho] (or one position [C_ch, d_rho]) as [n, C_ch,
+        d_rho] float32; ValueError for another shape or non-finite values."""
+        ch, d = self.n_channels, len(self.coords)
+        u_a = _numpy(u, np.float32)
+        if u_a.ndim == 2:
+            u_a = u_a[None]
+        if u_a.ndim != 3 or u_a.shape[1:] != (ch, d):
+            raise ValueError(f"query addresses must be [n, {ch}, {d}], got {list(u_a.shape)}")
+        if not np.all(np.isfinite(u_a)):
+            raise ValueError("query addresses have non-finite values")
+        return u_a
+
+    def _r(self, r: int | None) -> int:
+        r_ = self.cfg.replay_notes if r is None else r
+        if r_ < 0:
+            raise ValueError(f"r must be >= 0, got {r_}")
+        return r_
+
+    def _route_one(self, user_id: str, u: np.ndarray, r: int | None) -> list[Note]:
+        """``route_addresses`` of one request, plainly: its user's index searched, the vote
+        (``vote_rank``) of this request alone."""
+        r_ = self._r(r)
+        unit = l2_normalise(self._unit_rows(u))
+        live = np.linalg.norm(unit, axis=-1) > 0  # [n, C_ch]
+        if r_ == 0 or not live.any():
+            return []
+        with self._lock:
+            ua = self._users.get(user_id)
+            if ua is None or not ua.notes:
+                return []
+            index = self._indexes[user_id]
+            raw = index.inner_products(unit)  # [n, C_ch, notes]
+            opened = index.open_dims
+            notes = list(ua.notes)
+        has_note = np.ones((1, len(notes)), dtype=bool)
+        (picked,), votes = vote_rank(
+            raw[None], unit[None], opened[None], has_note, live[None], [r_], self.cfg.min_votes
+        )
+        return [with_votes(notes[k], int(votes[0, k])) for k in picked]
+
+    def _route_rows(
+        self, user_ids: Sequence[str], rows: np.ndarray, lens: np.ndarray, rs: Sequence[int | None]
     ) -> list[list[Note]]:
-        """``route_addresses`` for many users: the cosines, votes and ranking of every
-        request in one padded [users, positions, channels, notes] computation; only the
-        FAISS search is per user (on that user's index)."""
+        """``route_addresses`` for many requests, query addresses ``rows`` [sum lens, C_ch,
+        d_rho] request after request (``lens`` [U] positions each): one faiss call scores
+        every query row against its user's notes (rows gathered from the users' indexes,
+        labels per request), and the vote of all requests (``vote_pick``) runs on those rows."""
         ch, d = self.n_channels, len(self.coords)
         U = len(user_ids)
         out: list[list[Note]] = [[] for _ in range(U)]
+        rs_ = np.array([self._r(r) for r in rs], dtype=np.int64)
         if U == 0:
             return out
-        rs_ = [self.cfg.replay_notes if r is None else r for r in rs]
-        if any(r < 0 for r in rs_):
-            raise ValueError(f"r must be >= 0, got {min(rs_)}")
-        us = []
-        for u in addrs:
-            u_a = _numpy(u, np.float32)
-            if u_a.ndim == 2:
-                u_a = u_a[None]
-            if u_a.ndim != 3 or u_a.shape[1:] != (ch, d):
-                raise ValueError(f"query addresses must be [n, {ch}, {d}], got {list(u_a.shape)}")
-            us.append(u_a)
-        n_max = max(len(u) for u in us)
-        unit = np.zeros((U, max(n_max, 1), ch, d), dtype=np.float32)
-        for i, u_a in enumerate(us):
-            unit[i, : len(u_a)] = u_a
-        if not np.all(np.isfinite(unit)):
+        if rows.shape[1:] != (ch, d) or len(rows) != int(lens.sum()):
+            raise ValueError(f"query addresses must be [n, {ch}, {d}], got {list(rows.shape)}")
+        if not np.all(np.isfinite(rows)):
             raise ValueError("query addresses have non-finite values")
-        unit = l2_normalise(unit)
-        live = np.linalg.norm(unit, axis=-1) > 0  # [U, n, C_ch]
-        todo = [i for i in range(U) if rs_[i] > 0 and live[i].any()]
-        raw: list[np.ndarray] = []
+        unit = l2_normalise(rows)
+        live = np.linalg.norm(unit, axis=-1) > 0  # [M, C_ch]
+        starts = np.cumsum(lens) - lens
+        live_rows = np.concatenate([[0], np.cumsum(live.any(axis=1))])
+        asked = (rs_ > 0) & (live_rows[starts + lens] > live_rows[starts])
+        todo: list[int] = []
+        stored: list[np.ndarray] = []
         opened: list[np.ndarray] = []
         notes: list[list[Note]] = []
         with self._lock:
-            for i in list(todo):
+            for i in np.flatnonzero(asked).tolist():
                 ua = self._users.get(user_ids[i])
                 if ua is None or not ua.notes:
-                    todo.remove(i)
                     continue
                 index = self._indexes[user_ids[i]]
-                raw.append(index.inner_products(unit[i]))  # [n, C_ch, notes]
+                got = index.rows()
+                assert got is not None, "a CPU index"
+                todo.append(i)
+                stored.append(got)
                 opened.append(index.open_dims)
                 notes.append(list(ua.notes))
-        if not todo:
-            return out
+            if not todo:
+                return out
+            note_rows = np.concatenate(stored)  # copied while the views are valid
         W = len(todo)
-        N = max(len(x) for x in notes)
-        n = unit.shape[1]
-        sims = np.full((W, n, ch, N), -np.inf, dtype=np.float32)
+        counts = np.array([len(x) for x in notes], dtype=np.int64)  # notes per request
+        N = int(counts.max())
+        n_w = lens[todo]
+        # the query rows of each request, and which request and position each is
+        q_rows = ragged_arange(starts[todo], n_w)
+        w_of = np.repeat(np.arange(W), n_w)
+        # labels: query row (tau, c) of request w meets row off_w + i * C_ch + c of its
+        # user's note i (-1 past the user's notes)
+        off = np.cumsum(counts * ch) - counts * ch
+        note_i = np.arange(N)
+        labels = off[w_of][:, None, None] + note_i * ch + np.arange(ch)[:, None]
+        labels = np.where(note_i < counts[w_of][:, None, None], labels, -1)  # [Mw, C_ch, N]
+        raw = inner_products_by_rows(unit[q_rows].reshape(-1, d), note_rows, labels.reshape(-1, N))
+        has_note = note_i[None, :] < counts[:, None]
         open_ = np.zeros((W, N, ch), dtype=np.int64)
-        for j in range(W):
-            sims[j, ..., : raw[j].shape[-1]] = raw[j]
-            open_[j, : len(opened[j])] = opened[j]
-        u_live = unit[todo]
-        has_note = np.arange(N)[None, :] < np.array([len(x) for x in notes])[:, None]
-        picked, votes = vote_rank(
-            sims, u_live, open_, has_note, live[todo], [rs_[i] for i in todo],
-            self.cfg.min_votes,
-        )  # fmt: skip
-        for j, i in enumerate(todo):
-            out[i] = [with_votes(notes[j][k], int(votes[j, k])) for k in picked[j]]
+        open_[has_note] = np.concatenate(opened)
+        cos = masked_cosines(raw.reshape(-1, 1, ch, N), unit[q_rows, None], open_[w_of])
+        picked, votes = vote_pick(
+            cos[:, 0], live[q_rows], n_w, has_note, rs_[todo], self.cfg.min_votes
+        )
+        ws, ks = np.nonzero(picked)  # request by request, chronological
+        for w, k, v in zip(ws.tolist(), ks.tolist(), votes[ws, ks].tolist(), strict=True):
+            out[todo[w]].append(with_votes(notes[w][k], v))
         return out
 
     def route_overlap_many(

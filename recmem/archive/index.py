@@ -59,10 +59,15 @@ def masked_cosines(raw: np.ndarray, u: np.ndarray, open_: np.ndarray) -> np.ndar
     cosine on each note's open prefix, u . rho / |u[:open]| (0 where that prefix of u is
     zero); open_ [..., notes, C_ch] (leading axes: several users at once)."""
     d = u.shape[-1]
-    cum = np.zeros((*u.shape[:-1], d + 1), dtype=np.float32)
-    cum[..., 1:] = np.sqrt(np.cumsum(u.astype(np.float32) ** 2, axis=-1))
-    idx = np.broadcast_to(np.swapaxes(open_, -1, -2)[..., None, :, :], raw.shape)
-    norm = np.take_along_axis(cum, idx, axis=-1)  # cum[., c, open[i, c]]
+    sq = np.ascontiguousarray(np.moveaxis(u.astype(np.float32) ** 2, -1, 0))  # [d, ..., n, C]
+    cum = np.zeros((d + 1, *sq.shape[1:]), dtype=np.float32)
+    for j in range(d):  # float32 prefix sums as np.cumsum adds them, a slice at a time:
+        np.add(cum[j], sq[j], out=cum[j + 1])  # cumsum's loop per row costs more (short d)
+    cum = np.sqrt(cum)
+    cells = cum[0].size  # cum[o] holds |u[:o]| of every (position, channel)
+    idx = np.swapaxes(open_, -1, -2)[..., None, :, :]  # [..., 1, C_ch, notes]
+    flat = idx * cells + np.arange(cells).reshape(cum.shape[1:])[..., None]
+    norm = cum.reshape(-1)[np.broadcast_to(flat, raw.shape)]  # |u[tau, c, :open[i, c]]|
     return np.where(norm > 1e-6, raw / np.maximum(norm, 1e-6), 0.0).astype(np.float32)
 
 
@@ -86,6 +91,8 @@ class UserAddressIndex:
         self.address_dim = address_dim
         self._gpu = gpu
         self._open = np.zeros((0, n_channels), dtype=np.int64)
+        self._rows: np.ndarray | None = None
+        """A view of the CPU index's rows, made on demand; reset by ``add`` and ``rebuild``."""
         self._index: Any = (
             faiss.GpuIndexFlatIP(gpu, address_dim)
             if gpu is not None
@@ -100,6 +107,7 @@ class UserAddressIndex:
     def add(self, addresses: np.ndarray) -> None:
         """Append notes (chronologically after the present ones), addresses [n, C_ch, d_rho]."""
         if len(addresses):
+            self._rows = None  # the storage may move
             rows = addresses.reshape(-1, self.address_dim).astype(np.float32)
             self._index.add(np.ascontiguousarray(rows))
             self._open = np.concatenate([self._open, open_dims(addresses)])
@@ -107,8 +115,22 @@ class UserAddressIndex:
     def rebuild(self, addresses: np.ndarray) -> None:
         """Replace the contents with ``addresses`` [n, C_ch, d_rho] (after eviction or load)."""
         self._index.reset()
+        self._rows = None
         self._open = np.zeros((0, self.n_channels), dtype=np.int64)
         self.add(addresses)
+
+    def rows(self) -> np.ndarray | None:
+        """[notes * C_ch, d_rho] the index's stored rows (a view, valid until the next
+        ``add`` or ``rebuild``), or None for a GPU index."""
+        if self._gpu is not None:
+            return None
+        if self._rows is None:
+            total = int(self._index.ntotal)
+            if total == 0:
+                return np.zeros((0, self.address_dim), dtype=np.float32)
+            flat = faiss.rev_swig_ptr(self._index.get_xb(), total * self.address_dim)
+            self._rows = np.asarray(flat).reshape(total, self.address_dim)
+        return self._rows
 
     @property
     def open_dims(self) -> np.ndarray:
@@ -154,3 +176,25 @@ class UserAddressIndex:
         channel = np.tile(np.arange(ch), n)
         cols = np.arange(0, total, ch)[None, :] + channel[:, None]
         return np.take_along_axis(full, cols, axis=1).reshape(n, ch, total // ch)
+
+
+def inner_products_by_rows(queries: np.ndarray, rows: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """queries [m, d] . rows[labels[i, j]] for labels [m, k] (-inf where a label is < 0):
+    the faiss routine ``compute_distance_subset`` runs for a CPU index (so the same float32
+    values), over rows [r, d] gathered from several users' indexes, in one call."""
+    m, k = labels.shape
+    out = np.empty((m, k), dtype=np.float32)
+    if m == 0 or k == 0:
+        return out
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    y = np.ascontiguousarray(rows, dtype=np.float32)
+    ids = np.ascontiguousarray(labels, dtype=np.int64)
+    if len(y) == 0:  # every label is < 0
+        out.fill(-np.inf)
+        return out
+    faiss.omp_set_num_threads(1)  # as in UserAddressIndex._inner_products
+    faiss.fvec_inner_products_by_idx(  # type: ignore[attr-defined]  # not in faiss's stubs
+        faiss.swig_ptr(out), faiss.swig_ptr(q), faiss.swig_ptr(y), faiss.swig_ptr(ids),
+        q.shape[1], m, k,
+    )  # fmt: skip
+    return out

@@ -2,7 +2,7 @@
 shared by the served route (``NoteBank``) and offline replay-aware training and scoring
 (offline_eval/replay_training.py), so both choose the same notes.
 
-- ``vote_rank``: the native rule (SPEC section 5): each channel votes for the note whose
+- ``vote_rank`` (and ``vote_pick``, its loop-free form for the served route): the native rule (SPEC section 5): each channel votes for the note whose
   address is the most cosine-similar to any query position; notes ranked by votes, summed
   best cosine, recency (docs/archive.md, Route).
 - ``overlap_rank``: lexical (``archive.routing = lexical``: the notes sharing items or
@@ -55,11 +55,56 @@ def vote_rank(
     are ``open_`` [W, N, C]; ``has_note`` [W, N] marks real (eligible) notes, ``live``
     [W, n, C] the query positions and channels with a nonzero query. Returns per request the
     indices of its top ``rs[w]`` notes in chronological order, and the votes [W, N]."""
-    W, _, _, N = sims.shape
     cos = masked_cosines(sims, unit, open_)  # [W, n, C_ch, N]
     cos = np.where(live[..., None] & has_note[:, None, None, :], cos, -np.inf)
     best = cos.max(axis=1)  # [W, C_ch, N]: max over query positions
-    voters: np.ndarray = np.asarray(live.any(axis=1))  # [W, C_ch]
+    order, votes = _vote_order(best, np.asarray(live.any(axis=1)), has_note)
+    out = []
+    for j in range(len(order)):
+        ranked = order[j, : rs[j]]
+        ranked = ranked[has_note[j, ranked]]
+        if min_votes > 0:
+            ranked = ranked[votes[j, ranked] >= min_votes]
+        out.append(np.sort(ranked))
+    return out, votes
+
+
+def vote_pick(
+    cos: np.ndarray,
+    live: np.ndarray,
+    rows: np.ndarray,
+    has_note: np.ndarray,
+    rs: np.ndarray,
+    min_votes: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``vote_rank`` with the query positions of the W requests one after another, not
+    padded, and no loop over the requests: masked cosines ``cos`` [M, C, N] (``masked_cosines``)
+    and ``live`` [M, C] of the M query positions, ``rows`` [W] (each >= 1) of them per
+    request. Returns the notes ``vote_rank`` returns as a mask [W, N] (``np.nonzero`` of
+    it lists them request by request, chronologically), and the votes [W, N]."""
+    starts = np.cumsum(rows) - rows
+    owner = np.repeat(np.arange(len(rows)), rows)
+    cos = np.where(live[..., None] & has_note[owner][:, None, :], cos, -np.inf)
+    best = np.maximum.reduceat(cos, starts, axis=0)  # [W, C_ch, N]
+    voters = np.logical_or.reduceat(live, starts, axis=0)  # [W, C_ch]
+    order, votes = _vote_order(best, voters, has_note)
+    W, N = order.shape
+    rank = np.empty_like(order)  # each note's place in its request's ranking
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(N), (W, N)), axis=-1)
+    picked: np.ndarray = (rank < np.asarray(rs, dtype=np.int64)[:, None]) & has_note
+    if min_votes > 0:
+        picked &= votes >= min_votes
+    return picked, votes
+
+
+def _vote_order(
+    best: np.ndarray, voters: np.ndarray, has_note: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """From each channel's best cosine per note ``best`` [W, C, N] (max over the query
+    positions) and its voting channels ``voters`` [W, C]: the ranking [W, N] of each
+    request's notes (votes, then strength, then recency; padding last) and the votes
+    [W, N] (-1 for padding)."""
+    W, _, N = best.shape
     winner = best.argmax(axis=-1)  # [W, C_ch]
     votes = ((winner[..., None] == np.arange(N)) & voters[..., None]).sum(axis=1)
     strength = np.where(voters[..., None], best, 0.0).sum(axis=1)  # [W, N]
@@ -67,14 +112,7 @@ def vote_rank(
     strength = np.where(has_note, strength, -np.inf)
     recency = np.broadcast_to(np.arange(N), (W, N))
     order = np.lexsort((-recency, -strength, -votes), axis=-1)  # last key sorts first
-    out = []
-    for j in range(W):
-        ranked = order[j, : rs[j]]
-        ranked = ranked[has_note[j, ranked]]
-        if min_votes > 0:
-            ranked = ranked[votes[j, ranked] >= min_votes]
-        out.append(np.sort(ranked))
-    return out, votes
+    return order, votes
 
 
 def overlap_weights(

@@ -477,3 +477,78 @@ def test_route_many_notes_are_the_stored_notes_with_votes():
         assert n.votes >= 1 and m.votes == 0
         for name in ("items", "item_ids", "actions", "ts_ms", "positions", "addresses"):
             assert getattr(n, name) is getattr(m, name), name
+
+
+def _routed(answers):
+    return [[(n.serial, n.votes) for n in notes] for notes in answers]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_route_many_equals_its_plain_reference_on_random_banks(seed):
+    """The batched route (one faiss call over rows gathered from every user's index, the
+    vote on unpadded rows) gives the notes, order and votes of ``route_many_plain`` (each
+    request alone, its user's index searched): users with 0, 1 or many notes (some
+    evicted), repeated chunks (tied addresses), masked addresses, unknown users, r = 0,
+    None or above the note count, single positions, zero queries and zero channels,
+    torch and numpy queries, min_votes on and off."""
+    rng = np.random.default_rng(seed)
+    cfg = small_cfg(notes_per_user=int(rng.choice([3, 64])), min_votes=int(seed % 3 == 2))
+    bank = NoteBank(cfg, K, CH, seed=seed)
+    users = [f"u{i}" for i in range(7)]
+    for i, user in enumerate(users):
+        n = int(rng.choice([0, 5, 16, 40, 96]))
+        if n == 0:
+            continue
+        s = make_stream(
+            n, seed=100 * seed + i, planted=tuple(range(2, n, int(rng.integers(5, 12))))
+        )
+        if i % 2:  # a repeated stretch: notes with the same addresses (ties)
+            s.k[32:64], s.q[32:64] = s.k[:32][: len(s.k[32:64])], s.q[:32][: len(s.q[32:64])]
+        if i % 3 == 0:
+            s.q[: n // 2, :, K // 2 :] = 0.0  # early events under a locked key block
+        bank.observe(user, *s.part(0, n))
+    requests = []
+    for _ in range(40):
+        user = str(rng.choice([*users, "nobody"]))
+        notes = bank.notes(user)
+        shape = [(int(rng.integers(1, 5)), L, H, K), (int(rng.integers(1, 4)), CH, K), (CH, K)]
+        q = rng.normal(size=shape[int(rng.integers(0, 3))]).astype(np.float32)
+        if notes and rng.random() < 0.4:  # ask with a stored address: exact cosine ties
+            note = notes[int(rng.integers(len(notes)))]
+            q = np.zeros((1, CH, K), np.float32)
+            q[0][:, bank.coords] = note.addresses
+        if rng.random() < 0.15:
+            q[..., : q.shape[-2] // 2, :] = 0.0  # some channels abstain
+        if rng.random() < 0.05:
+            q[:] = 0.0
+        r = [None, 0, 1, 2, 3, 70][int(rng.integers(0, 6))]
+        requests.append((user, torch.from_numpy(q) if rng.random() < 0.5 else q, r))
+    got = bank.route_many(requests)
+    want = bank.route_many_plain(requests)
+    assert _routed(got) == _routed(want)
+    assert sum(map(len, got)) >= 10
+    tensors = [(u, torch.as_tensor(q), r) for u, q, r in requests]
+    assert _routed(bank.route_many(tensors)) == _routed(want)
+    # as the rank step asks: tensors [n, L, H, K] with n varying
+    alike = [
+        (u, torch.from_numpy(rng.normal(size=(int(rng.integers(1, 5)), L, H, K))).float(), r)
+        for u, _, r in requests
+    ]
+    assert _routed(bank.route_many(alike)) == _routed(bank.route_many_plain(alike))
+    for (user, _, _), notes in zip(requests, got, strict=True):
+        stored = {n.serial: n for n in bank.notes(user)}
+        assert all(n.items is stored[n.serial].items for n in notes)
+
+
+def test_route_many_rejects_what_the_plain_route_rejects():
+    bank = NoteBank(small_cfg(), K, CH, seed=0)
+    s = make_stream(32, seed=1, planted=(3, 20))
+    bank.observe("a", *s.part(0, 32))
+    bad_dims = [("a", np.ones((2, CH, K + 1), np.float32), 2)]
+    bad_shape = [("a", np.ones((2, CH + 1, K), np.float32), 2)]
+    nan = [("a", np.full((1, CH, K), np.nan, np.float32), 2)]
+    for requests in (bad_dims, bad_shape, nan, [("a", s.q[:1], -1)]):
+        for route in (bank.route_many, bank.route_many_plain):
+            with pytest.raises(ValueError):
+                route(requests)
+    assert bank.route_many([]) == []

@@ -246,3 +246,30 @@ def test_micro_batch_of_replays_reads_each_users_latest_events(
         vec = expected_vector(env, q.user_id, UserEvents.concat([*notes, recent]))
         scores = (env.model.item_weight() @ vec).detach().numpy()
         np.testing.assert_allclose(got.scores, scores[got.items], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_joined_padding_equals_concat_then_pad(seed: int) -> None:
+    """The replay rows' padded arrays built in one piece equal ``_pad`` of each row's
+    ``UserEvents.concat``: rows of 0..4 parts, empty parts, empty rows, int32 parts."""
+    from recmem.ranking import _pad, _pad_joined
+
+    rng = np.random.default_rng(seed)
+
+    def part() -> UserEvents:
+        n = int(rng.choice([0, 1, 3, 8]))
+        dtype = np.int32 if rng.random() < 0.3 else np.int64
+        return UserEvents(
+            *(rng.integers(0, 10**6, n).astype(dtype) for _ in range(3))  # type: ignore[arg-type]
+        )
+
+    rows = [
+        [part() for _ in range(int(rng.integers(0, 5)))] for _ in range(int(rng.integers(1, 9)))
+    ]
+    cpu = torch.device("cpu")
+    got = _pad_joined(rows, cpu)
+    want = _pad([UserEvents.concat(ps) for ps in rows], cpu)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == torch.int64 and torch.equal(g, w)
+    assert [t.shape for t in _pad_joined([], cpu)] == [t.shape for t in _pad([], cpu)]
