@@ -141,29 +141,30 @@ def unpack_queries(data: bytes, n_items: int) -> list[RankQuery]:
             raise PackedError(f"an item index outside the catalog of {n_items} items")
     raw = user_bytes.tobytes()
     out = []
-    for i, (u0, u1, c0, c1, nc, x0, x1) in enumerate(
-        zip(
-            u_off[:-1].tolist(),
-            u_off[1:].tolist(),
-            c_off[:-1].tolist(),
-            c_off[1:].tolist(),
-            n_cand.tolist(),
-            x_off[:-1].tolist(),
-            x_off[1:].tolist(),
-            strict=True,
-        )
+    for u0, u1, c0, c1, nc, x0, x1, k_i, r_i, ts_i in zip(
+        u_off[:-1].tolist(),
+        u_off[1:].tolist(),
+        c_off[:-1].tolist(),
+        c_off[1:].tolist(),
+        n_cand.tolist(),
+        x_off[:-1].tolist(),
+        x_off[1:].tolist(),
+        k.tolist(),
+        replay.tolist(),
+        ts.tolist(),
+        strict=True,
     ):
         context = (
             UserEvents(c_items[x0:x1], c_actions[x0:x1], c_ts[x0:x1]) if x1 > x0 else _NO_CONTEXT
         )
         out.append(
             RankQuery(
-                user_id=raw[u0:u1].decode(),
-                k=int(k[i]),
-                candidates=None if nc < 0 else cand[c0:c1],
-                replay_notes=int(replay[i]),
-                context=context,
-                request_ts_ms=int(ts[i]),
+                raw[u0:u1].decode(),
+                k_i,
+                None if nc < 0 else cand[c0:c1],
+                r_i,
+                context,
+                ts_i,
             )
         )
     return out
