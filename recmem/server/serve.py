@@ -24,7 +24,7 @@ from recmem.config_checks import CONFLUENT_SERVE
 from recmem.engine.builder import BuiltEngine, build_engine
 from recmem.ingest import KafkaIngest, register_gauges
 from recmem.routing import OwnerMap
-from recmem.server.app import RankServer
+from recmem.server.app import RankServer, release_grpc
 from recmem.server.frontends import FrontEnds
 from recmem.server.metrics import RankMetrics
 from recmem.server.routing import Forwarder
@@ -174,10 +174,11 @@ class RecMemService:
 def run_serve(cfg: Config, *, init_model: bool = False, ingest: bool = True) -> int:
     """Run until SIGTERM/SIGINT (or an ingest error); returns the exit status."""
     service = RecMemService(cfg, init_model=init_model, ingest=ingest).start()
+    stopping = service._done  # the handler holds the event only, not the service
 
     def handle(signum: int, frame: FrameType | None) -> None:
         log.info("signal %s: stopping", signum)
-        service._done.set()
+        stopping.set()
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
@@ -189,5 +190,10 @@ def run_serve(cfg: Config, *, init_model: bool = False, ingest: bool = True) -> 
         f"from {cfg.kafka.topic} in group {service.built.group_id}" if ingest else "off",
     )
     service.wait()
-    service.stop()
-    return 1 if service.failure is not None else 0
+    service.stop()  # the last checkpoint and commit are written: nothing below touches data
+    code = 1 if service.failure is not None else 0
+    # drop the stopped service (its gRPC server and channels) and shut gRPC down before the
+    # interpreter finalises: see release_grpc
+    del service
+    release_grpc()
+    return code
