@@ -35,6 +35,10 @@ from streams.metrics import IngestMetrics
 log = logging.getLogger(__name__)
 
 
+SIGNAL_POLL_S = 0.5
+"""How often ``run_serve``'s main thread wakes up to run the handlers of signals received."""
+
+
 class RecMemService:
     """The whole service of ``recmem serve`` (``ingest=False``: the gRPC side only, on
     whatever the engine holds, e.g. nothing but cold starts). ``built``: an engine already
@@ -189,7 +193,11 @@ def run_serve(cfg: Config, *, init_model: bool = False, ingest: bool = True) -> 
         service.server.address,
         f"from {cfg.kafka.topic} in group {service.built.group_id}" if ingest else "off",
     )
-    service.wait()
+    # wake up now and then: Python runs a signal's handler on the main thread only, when that
+    # thread next runs, and a SIGTERM the kernel gives another thread (as it may right after a
+    # SIGCONT) does not interrupt a wait without a timeout (seen: a resumed member ignored it)
+    while not service.wait(SIGNAL_POLL_S):
+        pass
     service.stop()  # the last checkpoint and commit are written: nothing below touches data
     code = 1 if service.failure is not None else 0
     # drop the stopped service (its gRPC server and channels) and shut gRPC down before the

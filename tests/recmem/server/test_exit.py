@@ -6,14 +6,18 @@ bench/experiments/README.md)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
@@ -76,3 +80,37 @@ def test_serve_shuts_grpc_down_before_the_interpreter_finalises(tmp_path: Path) 
     assert rc == 0, log_path.read_text()[-3000:]
     left = [name for name in threads_file.read_text().split("\n") if name in GRPC_THREADS]
     assert not left, f"gRPC threads alive as the interpreter finalised: {left}"
+
+
+TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
+
+
+@pytest.mark.skipif(TGKILL is None or not Path("/proc/self/task").exists(), reason="Linux only")
+def test_serve_stops_on_a_sigterm_another_thread_received(tmp_path: Path) -> None:
+    """The kernel may give a process's SIGTERM to any of its threads (right after a SIGCONT it
+    often does); the main thread still runs the handler, within ``SIGNAL_POLL_S``."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "recmem.cli", "serve", "--no-ingest", "--init-model",
+        "--set", f"server.port={port}", "--set", "server.metrics_port=0",
+        "--set", "server.shutdown_grace_s=1",
+        "--set", f"server.model_dir={tmp_path / 'model'}",
+        "--set", f"state.spill_dir={tmp_path / 'spill'}",
+    ]  # fmt: skip
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=os.environ.copy(), stdout=log, stderr=log)
+        try:
+            deadline = time.monotonic() + 120
+            # logged once the signal handlers are in place
+            while "recmem serve: gRPC on" not in log_path.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, "did not start"
+                time.sleep(0.1)
+            others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+            libc = ctypes.CDLL(None, use_errno=True)
+            assert libc.syscall(TGKILL, proc.pid, others[0], signal.SIGTERM) == 0
+            rc = proc.wait(timeout=15)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert rc == 0, log_path.read_text()[-3000:]
