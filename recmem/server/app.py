@@ -115,10 +115,10 @@ def release_grpc(timeout_s: float = 5.0) -> bool:
     end. Call it once every gRPC server is stopped and every channel closed and dropped, at
     the end of a process.
 
-    Without it gRPC stays initialised until the interpreter finalises, and its native timer
-    thread runs on while the modules are torn down and the process exits; a ``recmem serve``
-    process was seen to abort there ("terminate called without an active exception",
-    bench/experiments/README.md). Returns whether no gRPC thread is left."""
+    Without it gRPC stays initialised to the end, its native timer thread running on through
+    the interpreter's finalisation and ``exit()``'s static destructors, one of the native
+    threads suspected in the rare abort of ``recmem serve`` at exit (which recurred without
+    it; see ``recmem.cli._end_process``). Returns whether no gRPC thread is left."""
     gc.unfreeze()
     gc.collect()
     deadline = time.monotonic() + timeout_s
