@@ -8,10 +8,14 @@ Every subcommand takes ``--config FILE`` and any number of ``--set section.field
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from recmem.config import Config, ConfigError, field_docs, load_config
 from recmem.datasets import DATASET_SPECS, STREAM_SPECS
@@ -180,8 +184,11 @@ def _cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
 def _cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
     from recmem.server.serve import run_serve
 
+    global _end_without_finalising
     _log_group_changes(args)
-    return run_serve(cfg, init_model=args.init_model, ingest=not args.no_ingest)
+    code = run_serve(cfg, init_model=args.init_model, ingest=not args.no_ingest)
+    _end_without_finalising = True  # the service stopped: see _end_process
+    return code
 
 
 COMMANDS: dict[str, tuple[str, Handler]] = {
@@ -367,12 +374,39 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+_end_without_finalising = False
+"""Set by ``recmem serve`` once its service has stopped: ``run`` then ends the process with
+``_end_process``."""
+
+
+def _end_process(code: int) -> NoReturn:
+    """End the process with ``code`` without the interpreter's finalisation: run the exit
+    hooks (``atexit``: logging's flush and close among them), flush stdout and stderr, then
+    ``os._exit``.
+
+    Why: a stopped ``recmem serve`` process now and then aborted while the interpreter
+    finalised ("terminate called without an active exception", status 134, about 1 round in
+    10-30 of bench/experiments/freeze_exit.py), on a native thread of a library, after a
+    clean stop (bench/experiments/README.md); shutting gRPC down first did not stop it. Only
+    called once the service has stopped: its last checkpoint is written, its offsets
+    committed and the group left, so nothing durable is left to do; no library's teardown
+    runs after this, and no thread of one can race it."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or gone: nothing to write
+            stream.flush()
+    os._exit(code)
+
+
 def run() -> None:
     """The console-script entry point: process-wide settings, then ``main``."""
     from models.memory.ops import flush_denormals
 
     flush_denormals()  # this process computes memories: flush denormal floats (see there)
-    sys.exit(main())
+    code = main()
+    if _end_without_finalising:
+        _end_process(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

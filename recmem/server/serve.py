@@ -24,7 +24,7 @@ from recmem.config_checks import CONFLUENT_SERVE
 from recmem.engine.builder import BuiltEngine, build_engine
 from recmem.ingest import KafkaIngest, register_gauges
 from recmem.routing import OwnerMap
-from recmem.server.app import RankServer
+from recmem.server.app import RankServer, release_grpc
 from recmem.server.frontends import FrontEnds
 from recmem.server.metrics import RankMetrics
 from recmem.server.routing import Forwarder
@@ -33,6 +33,10 @@ from streams.group import Member
 from streams.metrics import IngestMetrics
 
 log = logging.getLogger(__name__)
+
+
+SIGNAL_POLL_S = 0.5
+"""How often ``run_serve``'s main thread wakes up to run the handlers of signals received."""
 
 
 class RecMemService:
@@ -174,10 +178,11 @@ class RecMemService:
 def run_serve(cfg: Config, *, init_model: bool = False, ingest: bool = True) -> int:
     """Run until SIGTERM/SIGINT (or an ingest error); returns the exit status."""
     service = RecMemService(cfg, init_model=init_model, ingest=ingest).start()
+    stopping = service._done  # the handler holds the event only, not the service
 
     def handle(signum: int, frame: FrameType | None) -> None:
         log.info("signal %s: stopping", signum)
-        service._done.set()
+        stopping.set()
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
@@ -188,6 +193,15 @@ def run_serve(cfg: Config, *, init_model: bool = False, ingest: bool = True) -> 
         service.server.address,
         f"from {cfg.kafka.topic} in group {service.built.group_id}" if ingest else "off",
     )
-    service.wait()
-    service.stop()
-    return 1 if service.failure is not None else 0
+    # wake up now and then: Python runs a signal's handler on the main thread only, when that
+    # thread next runs, and a SIGTERM the kernel gives another thread (as it may right after a
+    # SIGCONT) does not interrupt a wait without a timeout (seen: a resumed member ignored it)
+    while not service.wait(SIGNAL_POLL_S):
+        pass
+    service.stop()  # the last checkpoint and commit are written: nothing below touches data
+    code = 1 if service.failure is not None else 0
+    # drop the stopped service (its gRPC server and channels) and shut gRPC down before the
+    # interpreter finalises: see release_grpc
+    del service
+    release_grpc()
+    return code
