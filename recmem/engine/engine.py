@@ -81,17 +81,18 @@ class GroupedBatch:
 
 
 def group_events(events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab) -> GroupedBatch:
-    """Group by user in first-appearance order, each user's events in batch order."""
+    """Group by user in first-appearance order, each user's events in batch order (the
+    same result as :func:`group_events_reference`): the users' codes from one dict built
+    in C (``dict.fromkeys`` keeps first appearances in order), then numpy."""
     b = events if isinstance(events, EventBatch) else EventBatch.of(events)
     n = len(b)
     if not n:
         z = np.zeros((0, 0), dtype=np.int64)
         return GroupedBatch([], [], z, z.copy(), z.copy(), np.zeros(0, dtype=np.int64))
-    code_of: dict[str, int] = {}
-    codes = np.fromiter(
-        (code_of.setdefault(u, len(code_of)) for u in b.user_id), dtype=np.int64, count=n
-    )
-    n_users = len(code_of)
+    users = list(dict.fromkeys(b.user_id))
+    n_users = len(users)
+    code_of = dict(zip(users, range(n_users)))
+    codes = np.fromiter(map(code_of.__getitem__, b.user_id), dtype=np.int64, count=n)
     lengths = np.bincount(codes, minlength=n_users).astype(np.int64)
     order = np.argsort(codes, kind="stable")
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
@@ -106,7 +107,30 @@ def group_events(events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab) ->
     ts[codes, col] = b.ts_ms
     partitions = np.zeros(n_users, dtype=np.int64)
     partitions[codes] = b.partition  # a user's events share one partition
-    return GroupedBatch(list(code_of), partitions.tolist(), items, actions, ts, lengths)
+    return GroupedBatch(users, partitions.tolist(), items, actions, ts, lengths)
+
+
+def group_events_reference(
+    events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab
+) -> GroupedBatch:
+    """The plain form of :func:`group_events`: one user at a time, one event at a time."""
+    b = events if isinstance(events, EventBatch) else EventBatch.of(events)
+    runs: dict[str, list[int]] = {}
+    for i, user in enumerate(b.user_id):
+        runs.setdefault(user, []).append(i)
+    T = max((len(r) for r in runs.values()), default=0)
+    items = np.zeros((len(runs), T), dtype=np.int64)
+    actions = np.zeros((len(runs), T), dtype=np.int64)
+    ts = np.zeros((len(runs), T), dtype=np.int64)
+    partitions = []
+    for row, run in enumerate(runs.values()):
+        for col, i in enumerate(run):
+            items[row, col] = vocab.encode_one(b.item_id[i])
+            actions[row, col] = b.action[i]
+            ts[row, col] = b.ts_ms[i]
+        partitions.append(int(b.partition[run[0]]))
+    lengths = np.array([len(r) for r in runs.values()], dtype=np.int64)
+    return GroupedBatch(list(runs), partitions, items, actions, ts, lengths)
 
 
 @dataclass
@@ -232,7 +256,9 @@ class Engine:
         counts = ApplyCounts(events=int(batch.lengths.sum()), users=len(batch.user_ids))
         if batch.user_ids:
             counts.max_len = int(batch.lengths.max())
-            counts.new_users = sum(1 for u in batch.user_ids if u not in self.store)
+            counts.new_users = len(batch.user_ids) - sum(
+                map(self.store.__contains__, batch.user_ids)
+            )
         pieces = self._pieces(batch.lengths) if batch.user_ids else []
         self.seconds["group"] += time.perf_counter() - t0
         return IngestPlan(batch, pieces, counts)
@@ -340,9 +366,7 @@ class Engine:
             piece.users, piece.items, piece.actions, piece.ts_ms, piece.lengths, res.kq[1],
             packed=piece.packed,
         )  # fmt: skip
-        for user, part in zip(piece.users, piece.partitions):
-            self._record(user, part)
-            self._dirty.setdefault(part, set()).add(user)
+        self._record_many(piece.users, piece.partitions)
         self.replay_cache.forget(piece.users)
         self.totals.events += int(piece.lengths.sum())
         self.seconds["advance"] += piece.seconds.get("advance", 0.0)
@@ -382,6 +406,33 @@ class Engine:
         if not known.all():
             names[~known] = [f"<oov:{i - n}>" for i in flat[~known].tolist()]
         return ItemIdRows(names, lengths)
+
+    def _record_many(self, users: list[str], partitions: list[int]) -> None:
+        """``_record_reference`` of a piece's users: the users already recorded in their
+        partition (nearly all after a user's first batch) cost one dict lookup each in C,
+        and each partition's users join its dirty set in one update."""
+        olds = list(map(self.partition_of.get, users))
+        if olds != partitions:
+            for user, part, old in zip(users, partitions, olds):
+                if old != part:
+                    self._record(user, part)
+        parts = np.asarray(partitions, dtype=np.int64)
+        if not len(parts):
+            return
+        if (parts == parts[0]).all():
+            self._dirty.setdefault(int(parts[0]), set()).update(users)
+            return
+        order = np.argsort(parts, kind="stable")
+        by_part = np.asarray(users, dtype=object)[order]
+        cuts = np.flatnonzero(np.diff(parts[order])) + 1
+        for p, group in zip(parts[order][np.r_[0, cuts]].tolist(), np.split(by_part, cuts)):
+            self._dirty.setdefault(p, set()).update(group.tolist())
+
+    def _record_reference(self, users: list[str], partitions: list[int]) -> None:
+        """The plain form of :meth:`_record_many`: one user at a time."""
+        for user, part in zip(users, partitions):
+            self._record(user, part)
+            self._dirty.setdefault(part, set()).add(user)
 
     def _record(self, user: str, partition: int) -> None:
         old = self.partition_of.get(user)

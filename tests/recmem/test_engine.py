@@ -7,7 +7,7 @@ import torch
 from models.recommender import MemoryRecommender
 from recmem.archive import NoteBank
 from recmem.config import Config
-from recmem.engine import Engine, group_events
+from recmem.engine import Engine, group_events, group_events_reference
 from recmem.state_store import StateLayout, UserStateStore
 from recmem.vocab import ItemVocab
 from streams.batch import EventBatch, event_key
@@ -410,3 +410,48 @@ def test_latest_events_are_the_last_keep_of_each_users_history(packed):
             queries = tails.recent_queries(u, keep)
             assert queries is not None
             assert queries[:, 0, 0, 0].tolist() == [e[3] for e in want]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_group_events_equals_the_reference(seed):
+    """The array grouping gives the plain loop's users, partitions, [B, T] arrays and
+    lengths on random batches (skewed users, unknown items, one user, empty)."""
+    rng = np.random.default_rng(seed)
+    vocab = ItemVocab([f"i{j}" for j in range(30)], 8)
+    for n, n_users in [(0, 1), (1, 1), (50, 1), (300, 7), (2000, 500)]:
+        events = random_events(n, n_users, seed=int(rng.integers(1 << 30)))
+        for batch in (events, EventBatch.of(events)):
+            got, want = group_events(batch, vocab), group_events_reference(batch, vocab)
+            assert got.user_ids == want.user_ids and got.partitions == want.partitions
+            for f in ("items", "actions", "ts_ms", "lengths"):
+                assert np.array_equal(getattr(got, f), getattr(want, f)), f
+                assert getattr(got, f).dtype == getattr(want, f).dtype, f
+
+
+def test_vocab_encode_equals_encode_one():
+    vocab = ItemVocab([f"i{j}" for j in range(30)], 8)
+    ids = [f"i{j}" for j in np.random.default_rng(0).integers(60, size=500)]
+    want = [vocab.encode_one(i) for i in ids]
+    assert vocab.encode(ids).tolist() == want
+    assert vocab.encode(iter(ids)).tolist() == want  # any iterable
+    assert vocab.encode([]).dtype == np.int64 and len(vocab.encode([])) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_partition_bookkeeping_equals_the_reference(tmp_path, seed):
+    """``_record_many`` leaves the same partitions, users per partition and dirty sets as
+    the per-user loop, users moving between partitions included."""
+    rng = np.random.default_rng(seed)
+    a, b = make_engine(tmp_path / "a"), make_engine(tmp_path / "b")
+    for _ in range(20):
+        n = int(rng.integers(0, 40))
+        users = [f"u{u}" for u in rng.choice(60, size=n, replace=False)]
+        parts = rng.integers(1 if rng.random() < 0.3 else 4, size=n).tolist()
+        a._record_many(users, parts)
+        b._record_reference(users, parts)
+        assert a.partition_of == b.partition_of
+        assert a._users_of == b._users_of and a._dirty == b._dirty
+        if rng.random() < 0.3:
+            p = int(rng.integers(4))
+            a.clear_dirty(p)
+            b.clear_dirty(p)
