@@ -35,6 +35,7 @@ from recmem.config import Config
 from recmem.engine.dedupe import SeenEvents
 from recmem.engine.tails import RecentEvents
 from recmem.ranking import ReplayCache, UserEvents
+from recmem.rows import row_cells
 from recmem.state_store import UserStateStore
 from recmem.vocab import ItemVocab
 from streams.batch import EventBatch
@@ -80,10 +81,14 @@ class GroupedBatch:
     lengths: np.ndarray
 
 
-def group_events(events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab) -> GroupedBatch:
-    """Group by user in first-appearance order, each user's events in batch order (the
-    same result as :func:`group_events_reference`): the users' codes from one dict built
-    in C (``dict.fromkeys`` keeps first appearances in order), then numpy."""
+def group_events(
+    events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab, *, longest_first: bool = False
+) -> GroupedBatch:
+    """Group by user in first-appearance order (``longest_first``: users with more events
+    first, ties in first-appearance order, the order ``Engine`` runs a piece's users in),
+    each user's events in batch order; the same result as :func:`group_events_reference`.
+    The users' codes come from one dict built in C (``dict.fromkeys`` keeps first
+    appearances in order), the rest is numpy."""
     b = events if isinstance(events, EventBatch) else EventBatch.of(events)
     n = len(b)
     if not n:
@@ -94,6 +99,12 @@ def group_events(events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab) ->
     code_of = dict(zip(users, range(n_users)))
     codes = np.fromiter(map(code_of.__getitem__, b.user_id), dtype=np.int64, count=n)
     lengths = np.bincount(codes, minlength=n_users).astype(np.int64)
+    if longest_first:
+        rank = np.argsort(-lengths, kind="stable")  # rank[j]: the user that goes to row j
+        row_of = np.empty(n_users, dtype=np.int64)
+        row_of[rank] = np.arange(n_users)
+        codes, lengths = row_of[codes], lengths[rank]
+        users = [users[i] for i in rank.tolist()]
     order = np.argsort(codes, kind="stable")
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     col = np.empty(n, dtype=np.int64)
@@ -111,13 +122,15 @@ def group_events(events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab) ->
 
 
 def group_events_reference(
-    events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab
+    events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab, *, longest_first: bool = False
 ) -> GroupedBatch:
     """The plain form of :func:`group_events`: one user at a time, one event at a time."""
     b = events if isinstance(events, EventBatch) else EventBatch.of(events)
     runs: dict[str, list[int]] = {}
     for i, user in enumerate(b.user_id):
         runs.setdefault(user, []).append(i)
+    if longest_first:  # sorted() is stable: ties keep their first-appearance order
+        runs = dict(sorted(runs.items(), key=lambda kv: -len(kv[1])))
     T = max((len(r) for r in runs.values()), default=0)
     items = np.zeros((len(runs), T), dtype=np.int64)
     actions = np.zeros((len(runs), T), dtype=np.int64)
@@ -244,7 +257,11 @@ class Engine:
         t0 = time.perf_counter()
         b = events if isinstance(events, EventBatch) else EventBatch.of(events)
         kept = self.seen.keep(b.user_id, b.key)
-        batch = group_events(b if len(kept) == len(b) else b.take(kept), self.vocab)
+        # longest first: the order _pieces runs users in, so that a piece is a range of
+        # the batch's rows and begin takes views of its arrays instead of copies
+        batch = group_events(
+            b if len(kept) == len(b) else b.take(kept), self.vocab, longest_first=True
+        )
         self.seconds["group"] += time.perf_counter() - t0
         plan = self.plan_grouped(batch)
         plan.counts.duplicates = len(b) - len(kept)
@@ -319,14 +336,23 @@ class Engine:
         b = plan.batch
         lengths = b.lengths[rows]
         T = int(lengths.max())
-        users = [b.user_ids[i] for i in rows]
+        span = _as_range(rows)
+        if span is None:
+            users = [b.user_ids[i] for i in rows]
+            partitions = [b.partitions[i] for i in rows]
+            items, actions, ts_ms = (a[rows, :T] for a in (b.items, b.actions, b.ts_ms))
+        else:  # ``plan``'s order: the rows' arrays without a copy where they are contiguous
+            users, partitions = b.user_ids[span], b.partitions[span]
+            items, actions, ts_ms = (
+                np.ascontiguousarray(a[span, :T]) for a in (b.items, b.actions, b.ts_ms)
+            )
         state, slots = self.store.gather(users)
         piece = Piece(
             users=users,
-            partitions=[b.partitions[i] for i in rows],
-            items=b.items[rows, :T],
-            actions=b.actions[rows, :T],
-            ts_ms=b.ts_ms[rows, :T],
+            partitions=partitions,
+            items=items,
+            actions=actions,
+            ts_ms=ts_ms,
             lengths=lengths,
             state=state,
             slots=slots,
@@ -399,7 +425,7 @@ class Engine:
             self._names = np.empty(self.vocab.n_items, dtype=object)
             self._names[:] = [str(i) for i in self.vocab.item_ids]
         n = self.vocab.n_items
-        flat = items[np.arange(items.shape[1])[None, :] < lengths[:, None]]
+        flat = items[row_cells(np.arange(len(lengths)), lengths)]  # user by user
         known = flat < n
         names = np.empty(len(flat), dtype=object)
         names[known] = self._names[flat[known]]
@@ -597,6 +623,16 @@ class Engine:
             "bytes_per_user": self.store.bytes_per_user(),
             "partitions": {p: len(u) for p, u in sorted(self._users_of.items())},
         }
+
+
+def _as_range(rows: np.ndarray) -> slice | None:
+    """``rows`` as a slice when they are consecutive ascending indices, else None."""
+    if not len(rows):
+        return None
+    r0 = int(rows[0])
+    if int(rows[-1]) - r0 + 1 != len(rows) or not bool((np.diff(rows) == 1).all()):
+        return None
+    return slice(r0, r0 + len(rows))
 
 
 def _to(state: MemoryState, device: torch.device) -> MemoryState:

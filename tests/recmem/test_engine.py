@@ -413,7 +413,8 @@ def test_latest_events_are_the_last_keep_of_each_users_history(packed):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_group_events_equals_the_reference(seed):
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_group_events_equals_the_reference(seed, longest_first):
     """The array grouping gives the plain loop's users, partitions, [B, T] arrays and
     lengths on random batches (skewed users, unknown items, one user, empty)."""
     rng = np.random.default_rng(seed)
@@ -421,7 +422,10 @@ def test_group_events_equals_the_reference(seed):
     for n, n_users in [(0, 1), (1, 1), (50, 1), (300, 7), (2000, 500)]:
         events = random_events(n, n_users, seed=int(rng.integers(1 << 30)))
         for batch in (events, EventBatch.of(events)):
-            got, want = group_events(batch, vocab), group_events_reference(batch, vocab)
+            got = group_events(batch, vocab, longest_first=longest_first)
+            want = group_events_reference(batch, vocab, longest_first=longest_first)
+            if longest_first and n:
+                assert (np.diff(got.lengths) <= 0).all()
             assert got.user_ids == want.user_ids and got.partitions == want.partitions
             for f in ("items", "actions", "ts_ms", "lengths"):
                 assert np.array_equal(getattr(got, f), getattr(want, f)), f
@@ -455,3 +459,39 @@ def test_partition_bookkeeping_equals_the_reference(tmp_path, seed):
             p = int(rng.integers(4))
             a.clear_dirty(p)
             b.clear_dirty(p)
+
+
+@pytest.mark.parametrize("packed, buckets", [("on", "off"), ("off", "on"), ("off", "off")])
+def test_apply_in_plan_order_equals_first_appearance_order(tmp_path, packed, buckets):
+    """``apply`` groups longest first and hands pieces views of the batch's rows; the
+    same events grouped in first-appearance order (``apply_grouped``: pieces copied out
+    of the batch) give the same states, latest events, notes and checkpoint arrays,
+    also when a batch is cut into slab-sized pieces and length buckets."""
+    cfg = small_config()
+    cfg.state.dedupe_window = 0  # apply_grouped has no duplicate policy
+    cfg.state.packed_advance = packed
+    cfg.state.length_buckets = buckets
+    m = cfg.memory
+    a, b = (
+        make_engine(
+            tmp_path / n,
+            cfg=cfg,
+            capacity=7,
+            host_capacity=64,
+            bank=NoteBank(cfg.archive, m.key_dim, m.n_layers * m.n_heads, use_gpu=False),
+        )  # fmt: skip
+        for n in "ab"
+    )
+    events = random_events(900, 12, seed=5)
+    for s in range(0, len(events), 150):
+        part = events[s : s + 150]
+        assert a.apply(part) == b.apply_grouped(group_events_reference(part, b.vocab))
+    users = sorted({e.user_id for e in events})
+    sa, sb = a.snapshot(users), b.snapshot(users)
+    assert torch.equal(sa.pos, sb.pos) and torch.equal(sa.S, sb.S) and torch.equal(sa.h, sb.h)
+    assert sum(a.bank.note_count(u) for u in users) > 0
+    arrays_a, arrays_b = a.export_arrays(users), b.export_arrays(users)
+    assert arrays_a.keys() == arrays_b.keys()
+    for k in arrays_a:
+        assert np.array_equal(arrays_a[k], arrays_b[k]), k
+    assert a.partition_of == b.partition_of and a._dirty == b._dirty
