@@ -81,17 +81,17 @@ class EventBatch:
 
     @classmethod
     def of(cls, events: Sequence[ValidEvent]) -> EventBatch:
-        """The batch of ``events`` (their duplicate keys computed here, by ``keys_of``)."""
+        """The batch of ``events`` (their duplicate keys computed here)."""
         if not events:
             z = np.zeros(0, np.int64)
             return cls([], [], z, z, z.astype(np.float64), [], z, z, [], z)
         cols = list(map(list, zip(*map(_ROW, events))))
         user, item, ts, action, value, session, part, offset, event_id = cols
-        ts_a, action_a = np.asarray(ts, np.int64), np.asarray(action, np.int64)
+        keys = np.fromiter(map(key_of, item, ts, action, event_id), np.int64, len(events))
         return cls(
-            user, item, ts_a, action_a, np.asarray(value, np.float64), session,
-            np.asarray(part, np.int64), np.asarray(offset, np.int64), event_id,
-            keys_of(item, ts_a, action_a, event_id),
+            user, item, np.asarray(ts, np.int64), np.asarray(action, np.int64),
+            np.asarray(value, np.float64), session, np.asarray(part, np.int64),
+            np.asarray(offset, np.int64), event_id, keys,
         )  # fmt: skip
 
     def __len__(self) -> int:
