@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 import numpy as np
 
@@ -42,7 +43,14 @@ class ItemVocab:
         return idx if idx is not None else self.n_items + _bucket(item_id, self.n_oov)
 
     def encode(self, item_ids: Iterable[str]) -> np.ndarray:
-        return np.fromiter((self.encode_one(i) for i in item_ids), dtype=np.int64)
+        """``encode_one`` of each id: the known ones by one dict lookup each in C, then
+        the out-of-vocabulary ones (hashed) alone."""
+        ids = item_ids if isinstance(item_ids, list) else list(item_ids)
+        out = np.fromiter(map(self.index.get, ids, repeat(-1)), dtype=np.int64, count=len(ids))
+        oov = np.flatnonzero(out < 0)
+        if len(oov):
+            out[oov] = [self.n_items + _bucket(ids[i], self.n_oov) for i in oov.tolist()]
+        return out
 
     def known(self, item_id: str) -> bool:
         return item_id in self.index

@@ -6,7 +6,14 @@ thread and its scheduler), ``tails`` (each user's latest events), ``builder`` (t
 builder every entry point uses). docs/ingest.md and docs/serving.md describe both sides.
 """
 
-from recmem.engine.engine import ApplyCounts, Engine, GroupedBatch, UserInfo, group_events
+from recmem.engine.engine import (
+    ApplyCounts,
+    Engine,
+    GroupedBatch,
+    UserInfo,
+    group_events,
+    group_events_reference,
+)
 from recmem.engine.loop import EngineLoop, LoopStopped, PartitionUnavailable
 from recmem.engine.tails import RecentEvents
 
@@ -20,4 +27,5 @@ __all__ = [
     "RecentEvents",
     "UserInfo",
     "group_events",
+    "group_events_reference",
 ]

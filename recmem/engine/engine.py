@@ -35,6 +35,7 @@ from recmem.config import Config
 from recmem.engine.dedupe import SeenEvents
 from recmem.engine.tails import RecentEvents
 from recmem.ranking import ReplayCache, UserEvents
+from recmem.rows import row_cells
 from recmem.state_store import UserStateStore
 from recmem.vocab import ItemVocab
 from streams.batch import EventBatch
@@ -80,19 +81,30 @@ class GroupedBatch:
     lengths: np.ndarray
 
 
-def group_events(events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab) -> GroupedBatch:
-    """Group by user in first-appearance order, each user's events in batch order."""
+def group_events(
+    events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab, *, longest_first: bool = False
+) -> GroupedBatch:
+    """Group by user in first-appearance order (``longest_first``: users with more events
+    first, ties in first-appearance order, the order ``Engine`` runs a piece's users in),
+    each user's events in batch order; the same result as :func:`group_events_reference`.
+    The users' codes come from one dict built in C (``dict.fromkeys`` keeps first
+    appearances in order), the rest is numpy."""
     b = events if isinstance(events, EventBatch) else EventBatch.of(events)
     n = len(b)
     if not n:
         z = np.zeros((0, 0), dtype=np.int64)
         return GroupedBatch([], [], z, z.copy(), z.copy(), np.zeros(0, dtype=np.int64))
-    code_of: dict[str, int] = {}
-    codes = np.fromiter(
-        (code_of.setdefault(u, len(code_of)) for u in b.user_id), dtype=np.int64, count=n
-    )
-    n_users = len(code_of)
+    users = list(dict.fromkeys(b.user_id))
+    n_users = len(users)
+    code_of = dict(zip(users, range(n_users)))
+    codes = np.fromiter(map(code_of.__getitem__, b.user_id), dtype=np.int64, count=n)
     lengths = np.bincount(codes, minlength=n_users).astype(np.int64)
+    if longest_first:
+        rank = np.argsort(-lengths, kind="stable")  # rank[j]: the user that goes to row j
+        row_of = np.empty(n_users, dtype=np.int64)
+        row_of[rank] = np.arange(n_users)
+        codes, lengths = row_of[codes], lengths[rank]
+        users = [users[i] for i in rank.tolist()]
     order = np.argsort(codes, kind="stable")
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     col = np.empty(n, dtype=np.int64)
@@ -106,7 +118,32 @@ def group_events(events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab) ->
     ts[codes, col] = b.ts_ms
     partitions = np.zeros(n_users, dtype=np.int64)
     partitions[codes] = b.partition  # a user's events share one partition
-    return GroupedBatch(list(code_of), partitions.tolist(), items, actions, ts, lengths)
+    return GroupedBatch(users, partitions.tolist(), items, actions, ts, lengths)
+
+
+def group_events_reference(
+    events: Sequence[ValidEvent] | EventBatch, vocab: ItemVocab, *, longest_first: bool = False
+) -> GroupedBatch:
+    """The plain form of :func:`group_events`: one user at a time, one event at a time."""
+    b = events if isinstance(events, EventBatch) else EventBatch.of(events)
+    runs: dict[str, list[int]] = {}
+    for i, user in enumerate(b.user_id):
+        runs.setdefault(user, []).append(i)
+    if longest_first:  # sorted() is stable: ties keep their first-appearance order
+        runs = dict(sorted(runs.items(), key=lambda kv: -len(kv[1])))
+    T = max((len(r) for r in runs.values()), default=0)
+    items = np.zeros((len(runs), T), dtype=np.int64)
+    actions = np.zeros((len(runs), T), dtype=np.int64)
+    ts = np.zeros((len(runs), T), dtype=np.int64)
+    partitions = []
+    for row, run in enumerate(runs.values()):
+        for col, i in enumerate(run):
+            items[row, col] = vocab.encode_one(b.item_id[i])
+            actions[row, col] = b.action[i]
+            ts[row, col] = b.ts_ms[i]
+        partitions.append(int(b.partition[run[0]]))
+    lengths = np.array([len(r) for r in runs.values()], dtype=np.int64)
+    return GroupedBatch(list(runs), partitions, items, actions, ts, lengths)
 
 
 @dataclass
@@ -220,7 +257,11 @@ class Engine:
         t0 = time.perf_counter()
         b = events if isinstance(events, EventBatch) else EventBatch.of(events)
         kept = self.seen.keep(b.user_id, b.key)
-        batch = group_events(b if len(kept) == len(b) else b.take(kept), self.vocab)
+        # longest first: the order _pieces runs users in, so that a piece is a range of
+        # the batch's rows and begin takes views of its arrays instead of copies
+        batch = group_events(
+            b if len(kept) == len(b) else b.take(kept), self.vocab, longest_first=True
+        )
         self.seconds["group"] += time.perf_counter() - t0
         plan = self.plan_grouped(batch)
         plan.counts.duplicates = len(b) - len(kept)
@@ -232,7 +273,9 @@ class Engine:
         counts = ApplyCounts(events=int(batch.lengths.sum()), users=len(batch.user_ids))
         if batch.user_ids:
             counts.max_len = int(batch.lengths.max())
-            counts.new_users = sum(1 for u in batch.user_ids if u not in self.store)
+            counts.new_users = len(batch.user_ids) - sum(
+                map(self.store.__contains__, batch.user_ids)
+            )
         pieces = self._pieces(batch.lengths) if batch.user_ids else []
         self.seconds["group"] += time.perf_counter() - t0
         return IngestPlan(batch, pieces, counts)
@@ -293,14 +336,23 @@ class Engine:
         b = plan.batch
         lengths = b.lengths[rows]
         T = int(lengths.max())
-        users = [b.user_ids[i] for i in rows]
+        span = _as_range(rows)
+        if span is None:
+            users = [b.user_ids[i] for i in rows]
+            partitions = [b.partitions[i] for i in rows]
+            items, actions, ts_ms = (a[rows, :T] for a in (b.items, b.actions, b.ts_ms))
+        else:  # ``plan``'s order: the rows' arrays without a copy where they are contiguous
+            users, partitions = b.user_ids[span], b.partitions[span]
+            items, actions, ts_ms = (
+                np.ascontiguousarray(a[span, :T]) for a in (b.items, b.actions, b.ts_ms)
+            )
         state, slots = self.store.gather(users)
         piece = Piece(
             users=users,
-            partitions=[b.partitions[i] for i in rows],
-            items=b.items[rows, :T],
-            actions=b.actions[rows, :T],
-            ts_ms=b.ts_ms[rows, :T],
+            partitions=partitions,
+            items=items,
+            actions=actions,
+            ts_ms=ts_ms,
             lengths=lengths,
             state=state,
             slots=slots,
@@ -340,9 +392,7 @@ class Engine:
             piece.users, piece.items, piece.actions, piece.ts_ms, piece.lengths, res.kq[1],
             packed=piece.packed,
         )  # fmt: skip
-        for user, part in zip(piece.users, piece.partitions):
-            self._record(user, part)
-            self._dirty.setdefault(part, set()).add(user)
+        self._record_many(piece.users, piece.partitions)
         self.replay_cache.forget(piece.users)
         self.totals.events += int(piece.lengths.sum())
         self.seconds["advance"] += piece.seconds.get("advance", 0.0)
@@ -375,13 +425,40 @@ class Engine:
             self._names = np.empty(self.vocab.n_items, dtype=object)
             self._names[:] = [str(i) for i in self.vocab.item_ids]
         n = self.vocab.n_items
-        flat = items[np.arange(items.shape[1])[None, :] < lengths[:, None]]
+        flat = items[row_cells(np.arange(len(lengths)), lengths)]  # user by user
         known = flat < n
         names = np.empty(len(flat), dtype=object)
         names[known] = self._names[flat[known]]
         if not known.all():
             names[~known] = [f"<oov:{i - n}>" for i in flat[~known].tolist()]
         return ItemIdRows(names, lengths)
+
+    def _record_many(self, users: list[str], partitions: list[int]) -> None:
+        """``_record_reference`` of a piece's users: the users already recorded in their
+        partition (nearly all after a user's first batch) cost one dict lookup each in C,
+        and each partition's users join its dirty set in one update."""
+        olds = list(map(self.partition_of.get, users))
+        if olds != partitions:
+            for user, part, old in zip(users, partitions, olds):
+                if old != part:
+                    self._record(user, part)
+        parts = np.asarray(partitions, dtype=np.int64)
+        if not len(parts):
+            return
+        if (parts == parts[0]).all():
+            self._dirty.setdefault(int(parts[0]), set()).update(users)
+            return
+        order = np.argsort(parts, kind="stable")
+        by_part = np.asarray(users, dtype=object)[order]
+        cuts = np.flatnonzero(np.diff(parts[order])) + 1
+        for p, group in zip(parts[order][np.r_[0, cuts]].tolist(), np.split(by_part, cuts)):
+            self._dirty.setdefault(p, set()).update(group.tolist())
+
+    def _record_reference(self, users: list[str], partitions: list[int]) -> None:
+        """The plain form of :meth:`_record_many`: one user at a time."""
+        for user, part in zip(users, partitions):
+            self._record(user, part)
+            self._dirty.setdefault(part, set()).add(user)
 
     def _record(self, user: str, partition: int) -> None:
         old = self.partition_of.get(user)
@@ -546,6 +623,16 @@ class Engine:
             "bytes_per_user": self.store.bytes_per_user(),
             "partitions": {p: len(u) for p, u in sorted(self._users_of.items())},
         }
+
+
+def _as_range(rows: np.ndarray) -> slice | None:
+    """``rows`` as a slice when they are consecutive ascending indices, else None."""
+    if not len(rows):
+        return None
+    r0 = int(rows[0])
+    if int(rows[-1]) - r0 + 1 != len(rows) or not bool((np.diff(rows) == 1).all()):
+        return None
+    return slice(r0, r0 + len(rows))
 
 
 def _to(state: MemoryState, device: torch.device) -> MemoryState:

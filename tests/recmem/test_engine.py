@@ -7,7 +7,7 @@ import torch
 from models.recommender import MemoryRecommender
 from recmem.archive import NoteBank
 from recmem.config import Config
-from recmem.engine import Engine, group_events
+from recmem.engine import Engine, group_events, group_events_reference
 from recmem.state_store import StateLayout, UserStateStore
 from recmem.vocab import ItemVocab
 from streams.batch import EventBatch, event_key
@@ -410,3 +410,88 @@ def test_latest_events_are_the_last_keep_of_each_users_history(packed):
             queries = tails.recent_queries(u, keep)
             assert queries is not None
             assert queries[:, 0, 0, 0].tolist() == [e[3] for e in want]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_group_events_equals_the_reference(seed, longest_first):
+    """The array grouping gives the plain loop's users, partitions, [B, T] arrays and
+    lengths on random batches (skewed users, unknown items, one user, empty)."""
+    rng = np.random.default_rng(seed)
+    vocab = ItemVocab([f"i{j}" for j in range(30)], 8)
+    for n, n_users in [(0, 1), (1, 1), (50, 1), (300, 7), (2000, 500)]:
+        events = random_events(n, n_users, seed=int(rng.integers(1 << 30)))
+        for batch in (events, EventBatch.of(events)):
+            got = group_events(batch, vocab, longest_first=longest_first)
+            want = group_events_reference(batch, vocab, longest_first=longest_first)
+            if longest_first and n:
+                assert (np.diff(got.lengths) <= 0).all()
+            assert got.user_ids == want.user_ids and got.partitions == want.partitions
+            for f in ("items", "actions", "ts_ms", "lengths"):
+                assert np.array_equal(getattr(got, f), getattr(want, f)), f
+                assert getattr(got, f).dtype == getattr(want, f).dtype, f
+
+
+def test_vocab_encode_equals_encode_one():
+    vocab = ItemVocab([f"i{j}" for j in range(30)], 8)
+    ids = [f"i{j}" for j in np.random.default_rng(0).integers(60, size=500)]
+    want = [vocab.encode_one(i) for i in ids]
+    assert vocab.encode(ids).tolist() == want
+    assert vocab.encode(iter(ids)).tolist() == want  # any iterable
+    assert vocab.encode([]).dtype == np.int64 and len(vocab.encode([])) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_partition_bookkeeping_equals_the_reference(tmp_path, seed):
+    """``_record_many`` leaves the same partitions, users per partition and dirty sets as
+    the per-user loop, users moving between partitions included."""
+    rng = np.random.default_rng(seed)
+    a, b = make_engine(tmp_path / "a"), make_engine(tmp_path / "b")
+    for _ in range(20):
+        n = int(rng.integers(0, 40))
+        users = [f"u{u}" for u in rng.choice(60, size=n, replace=False)]
+        parts = rng.integers(1 if rng.random() < 0.3 else 4, size=n).tolist()
+        a._record_many(users, parts)
+        b._record_reference(users, parts)
+        assert a.partition_of == b.partition_of
+        assert a._users_of == b._users_of and a._dirty == b._dirty
+        if rng.random() < 0.3:
+            p = int(rng.integers(4))
+            a.clear_dirty(p)
+            b.clear_dirty(p)
+
+
+@pytest.mark.parametrize("packed, buckets", [("on", "off"), ("off", "on"), ("off", "off")])
+def test_apply_in_plan_order_equals_first_appearance_order(tmp_path, packed, buckets):
+    """``apply`` groups longest first and hands pieces views of the batch's rows; the
+    same events grouped in first-appearance order (``apply_grouped``: pieces copied out
+    of the batch) give the same states, latest events, notes and checkpoint arrays,
+    also when a batch is cut into slab-sized pieces and length buckets."""
+    cfg = small_config()
+    cfg.state.dedupe_window = 0  # apply_grouped has no duplicate policy
+    cfg.state.packed_advance = packed
+    cfg.state.length_buckets = buckets
+    m = cfg.memory
+    a, b = (
+        make_engine(
+            tmp_path / n,
+            cfg=cfg,
+            capacity=7,
+            host_capacity=64,
+            bank=NoteBank(cfg.archive, m.key_dim, m.n_layers * m.n_heads, use_gpu=False),
+        )  # fmt: skip
+        for n in "ab"
+    )
+    events = random_events(900, 12, seed=5)
+    for s in range(0, len(events), 150):
+        part = events[s : s + 150]
+        assert a.apply(part) == b.apply_grouped(group_events_reference(part, b.vocab))
+    users = sorted({e.user_id for e in events})
+    sa, sb = a.snapshot(users), b.snapshot(users)
+    assert torch.equal(sa.pos, sb.pos) and torch.equal(sa.S, sb.S) and torch.equal(sa.h, sb.h)
+    assert sum(a.bank.note_count(u) for u in users) > 0
+    arrays_a, arrays_b = a.export_arrays(users), b.export_arrays(users)
+    assert arrays_a.keys() == arrays_b.keys()
+    for k in arrays_a:
+        assert np.array_equal(arrays_a[k], arrays_b[k]), k
+    assert a.partition_of == b.partition_of and a._dirty == b._dirty
