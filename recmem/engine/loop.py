@@ -321,6 +321,9 @@ class EngineLoop:
             self._accepting = False
             self._inbox.put(("stop",))
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # the loop has told the executor to end: wait for it,
+            # so that no thread of ours runs torch code while the interpreter finalises
+            self._executor.join(timeout)
 
     @property
     def alive(self) -> bool:

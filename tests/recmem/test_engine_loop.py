@@ -100,6 +100,25 @@ def test_fixed_window_is_waited_out_without_adaptive() -> None:
         loop.stop()
 
 
+def test_stop_joins_both_threads() -> None:
+    """No thread of a stopped loop is left to run while the interpreter finalises."""
+
+    class SlowEngine:
+        def compute(self, piece: object) -> None:
+            time.sleep(0.5)
+
+    loop = EngineLoop(EchoRanker(), window_ms=0).start()
+    assert loop.submit(q(3)).result(timeout=10).position == 3
+    names = {t.name for t in threading.enumerate()}
+    assert {"engine-loop", "engine-loop-exec"} <= names
+    loop.engine = SlowEngine()  # type: ignore[assignment]
+    loop._exec_q.put((object(), None))  # the executor is mid model step when stop comes
+    time.sleep(0.05)
+    loop.stop()
+    names = {t.name for t in threading.enumerate()}
+    assert "engine-loop" not in names and "engine-loop-exec" not in names
+
+
 def test_a_failing_batch_fails_its_requests_not_the_loop() -> None:
     loop = EngineLoop(EchoRanker(), window_ms=0, max_batch=4).start()
     try:
