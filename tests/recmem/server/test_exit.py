@@ -58,17 +58,21 @@ WRAPPER = textwrap.dedent(
 )
 
 
-def test_a_stopped_serve_ends_after_its_exit_hooks_without_finalising(tmp_path: Path) -> None:
-    port = free_port()
-    threads_file = tmp_path / "threads.txt"
-    cmd = [
-        sys.executable, "-c", WRAPPER, str(threads_file),
+def serve_args(port: int, tmp_path: Path) -> list[str]:
+    """``recmem serve``'s arguments: no ingest, a fresh model, the port, a short grace."""
+    return [
         "serve", "--no-ingest", "--init-model",
         "--set", f"server.port={port}", "--set", "server.metrics_port=0",
         "--set", "server.shutdown_grace_s=1",
         "--set", f"server.model_dir={tmp_path / 'model'}",
         "--set", f"state.spill_dir={tmp_path / 'spill'}",
     ]  # fmt: skip
+
+
+def test_a_stopped_serve_ends_after_its_exit_hooks_without_finalising(tmp_path: Path) -> None:
+    port = free_port()
+    threads_file = tmp_path / "threads.txt"
+    cmd = [sys.executable, "-c", WRAPPER, str(threads_file), *serve_args(port, tmp_path)]
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=os.environ.copy(), stdout=log, stderr=log)
@@ -104,13 +108,7 @@ def test_serve_stops_on_a_sigterm_another_thread_received(tmp_path: Path) -> Non
     """The kernel may give a process's SIGTERM to any of its threads (right after a SIGCONT it
     often does); the main thread still runs the handler, within ``SIGNAL_POLL_S``."""
     port = free_port()
-    cmd = [
-        sys.executable, "-m", "recmem.cli", "serve", "--no-ingest", "--init-model",
-        "--set", f"server.port={port}", "--set", "server.metrics_port=0",
-        "--set", "server.shutdown_grace_s=1",
-        "--set", f"server.model_dir={tmp_path / 'model'}",
-        "--set", f"state.spill_dir={tmp_path / 'spill'}",
-    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "recmem.cli", *serve_args(port, tmp_path)]
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=os.environ.copy(), stdout=log, stderr=log)
