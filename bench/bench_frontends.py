@@ -61,11 +61,15 @@ SYSTEMS = ("memory", "sasrec")
 # CPU seconds per wall second of each role during a cell: the client processes, the
 # front-end processes, the engine's process (its loop, its gRPC server, the idle loop of
 # the other system) and its loop thread alone. A role near its core count bounds the cell.
-CORES_BUSY = (
+# Then the engine loop's shares of the cell: ranking, and collecting batches (waiting out
+# the micro-batch window).
+ROLE_FIGURES = (
     "client_cores_busy",
     "frontends_cores_busy",
     "engine_process_cores_busy",
     "engine_loop_cores_busy",
+    "engine_busy_share",
+    "engine_collect_share",
 )
 
 
@@ -136,6 +140,7 @@ def serve(args: argparse.Namespace, conn: Any) -> None:
                 "batches": c.batches,
                 "requests": c.requests,
                 "busy_s": c.busy_seconds,
+                "collect_s": c.collect_seconds,
                 # where the cores go: this process (engine loop, its gRPC server, the other
                 # system's idle loop), its loop thread, and the cell's front-end processes
                 "engine_process_cpu_s": cpu_seconds("self"),
@@ -258,6 +263,10 @@ def main() -> None:
                                 / max(batches, 1),
                                 engine_busy_share=(after["busy_s"] - before["busy_s"])
                                 / args.seconds,
+                                # the loop's share of the window collecting batches (waiting
+                                # out the micro-batch window for more requests)
+                                engine_collect_share=(after["collect_s"] - before["collect_s"])
+                                / args.seconds,
                                 **{
                                     f"{role}_cores_busy": (
                                         timed[1][f"{role}_cpu_s"] - timed[0][f"{role}_cpu_s"]
@@ -272,7 +281,9 @@ def main() -> None:
                                 f"round {r} {system:6s} frontends={n} c={c:2d} R={replay}: p50"
                                 f" {cell['p50_ms']:6.2f} ms p99 {cell['p99_ms']:6.2f} ms"
                                 f" {cell['throughput_rps']:7.1f} req/s engine batch"
-                                f" {cell['mean_engine_batch']:.1f} load {cell['load_avg_1m']:.1f}"
+                                f" {cell['mean_engine_batch']:.1f} (busy"
+                                f" {cell['engine_busy_share']:.0%}, collecting"
+                                f" {cell['engine_collect_share']:.0%}) load {cell['load_avg_1m']:.1f}"
                                 f" cores busy: client {cell['client_cores_busy']:.2f} front"
                                 f" ends {cell['frontends_cores_busy']:.2f} engine process"
                                 f" {cell['engine_process_cores_busy']:.2f} (loop"
@@ -297,7 +308,7 @@ def main() -> None:
                         "p50_ms": float(np.mean([x["p50_ms"] for x in got])),
                         "p99_ms": float(np.mean([x["p99_ms"] for x in got])),
                         "mean_engine_batch": float(np.mean([x["mean_engine_batch"] for x in got])),
-                        **{k: float(np.mean([x[k] for x in got])) for k in CORES_BUSY},
+                        **{k: float(np.mean([x[k] for x in got])) for k in ROLE_FIGURES},
                     }
             if "sasrec" in args.systems and "memory" in args.systems:
                 for n in args.frontends:

@@ -341,6 +341,14 @@ class ServerConfig:
     same answers, statuses and metrics. Used only where the engine offers it (an instance
     without routing); otherwise, for calls forwarded by another instance, and for requests
     that fail validation, the RankBatch path (docs/serving.md, "Front-end processes")."""
+    frontend_window_ms: float = -1.0
+    """With ``frontends``: the micro-batching window of a front end's batcher, which
+    collects concurrent Rank calls into one call to the engine process (negative, the
+    default: the same as ``batch_window_ms``; 0: no wait, a batch takes what queued while
+    the previous ones were in flight). The engine process's loop keeps ``batch_window_ms``."""
+    frontend_in_flight: int = 2
+    """With ``frontends``: how many batches one front end has in flight to the engine process
+    at once; requests that arrive meanwhile queue for the next batch."""
     request_timeout_s: float = 30.0
     """Longest a rank call waits for its micro-batch (the client deadline applies if shorter)."""
     shutdown_grace_s: float = 5.0

@@ -94,6 +94,8 @@ RANGES: dict[str, str] = {
     "server.max_context_events": "[0, inf)",
     "server.max_batch_requests": "[1, inf)",
     "server.batch_window_ms": "[0, inf)",
+    "server.frontend_window_ms": "[-1, inf)",
+    "server.frontend_in_flight": "[1, 64]",
     "server.max_batch": "[1, inf)",
     "server.metrics_port": "[0, 65535]",
     "server.max_replay_notes": "[0, inf)",

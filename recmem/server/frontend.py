@@ -66,6 +66,16 @@ from recmem.server.validation import InvalidRequest, to_queries
 log = logging.getLogger(__name__)
 
 IN_FLIGHT = 2
+"""Batches one front end has in flight to the engine process by default
+(``server.frontend_in_flight``)."""
+
+
+def frontend_window_ms(s: Any) -> float:
+    """A front end's batching window (``server.frontend_window_ms``; negative: the engine
+    loop's ``server.batch_window_ms``)."""
+    return float(s.batch_window_ms if s.frontend_window_ms < 0 else s.frontend_window_ms)
+
+
 """RankBatch calls a front end keeps in flight to the engine process at once; Rank calls
 arriving meanwhile queue up for the next batch."""
 
@@ -115,7 +125,7 @@ class BatchWindow:
 class RankBatcher:
     """Collects Rank requests into RankBatch calls on ``stub`` (the engine process's).
 
-    A batch takes the first request queued, waits until fewer than ``IN_FLIGHT`` batches are
+    A batch takes the first request queued, waits until fewer than ``in_flight`` batches are
     in flight, then takes whatever has queued meanwhile, up to ``max_requests``
     (``server.max_batch_requests``, the most one RankBatch may hold). It then waits at most
     ``window_ms`` for more, and with ``adaptive`` (as the engine loop's micro-batches) only
@@ -129,13 +139,14 @@ class RankBatcher:
         max_requests: int,
         window_ms: float,
         adaptive: bool,
+        in_flight: int = IN_FLIGHT,
         packed: PackedClient | None = None,
     ) -> None:
         self._stub = stub
         self._packed = packed
         self._window = BatchWindow(max_requests, window_ms, adaptive)
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._in_flight = threading.Semaphore(IN_FLIGHT)
+        self._in_flight = threading.Semaphore(in_flight)
         self.batches = 0
         self.requests = 0
         self._thread = threading.Thread(target=self._run, name="rank-batcher", daemon=True)
@@ -424,8 +435,9 @@ class FrontEndServicer(rank_pb2_grpc.RecMemServicer):
         self.batcher = RankBatcher(
             self._stub,
             max_requests=s.max_batch_requests,
-            window_ms=s.batch_window_ms,
+            window_ms=frontend_window_ms(s),
             adaptive=s.adaptive_window,
+            in_flight=s.frontend_in_flight,
             packed=PackedClient(channel) if s.frontend_packed else None,
         )
 

@@ -6,7 +6,7 @@ batching thread and waits on a future the gRPC callback thread completes: three 
 hand-offs per call, each a GIL transfer. Here one event loop thread does all of it: each
 Rank call is a coroutine that puts its request on the batcher's queue and awaits its own
 future; the batcher (``AioRankBatcher``, an asyncio task) collects the calls as
-``RankBatcher`` does (the same rule, ``IN_FLIGHT`` batches at most) and awaits the engine
+``RankBatcher`` does (the same rule, ``server.frontend_in_flight`` batches at most) and awaits the engine
 process's ``RankBatch`` on a ``grpc.aio`` channel, answering each caller's future. What a
 caller sees is what the threads front end answers: the same server construction
 (``AioGrpcServer``: TLS, bearer token, message size limit, undecodable payloads, health,
@@ -40,6 +40,7 @@ from recmem.server.frontend import (
     FrontEndMetrics,
     channel_options,
     failure_trailing,
+    frontend_window_ms,
     status_code,
 )
 from recmem.server.routing import FORWARDED
@@ -62,18 +63,26 @@ class _Call:
 
 class AioRankBatcher:
     """``RankBatcher`` (recmem/server/frontend.py) as an asyncio task on the running loop:
-    the same collection rule (first queued call, at most ``IN_FLIGHT`` batches in flight,
+    the same collection rule (first queued call, at most ``in_flight`` batches in flight,
     what queued meanwhile up to ``max_requests``, the window, the adaptive close), one
     ``RankBatch`` per ``recmem-forwarded`` value, awaited on the aio ``stub``. A call whose
     future is done before its batch is sent (its deadline passed, its caller went away) is
     left out."""
 
-    def __init__(self, stub: Any, *, max_requests: int, window_ms: float, adaptive: bool):
+    def __init__(
+        self,
+        stub: Any,
+        *,
+        max_requests: int,
+        window_ms: float,
+        adaptive: bool,
+        in_flight: int = IN_FLIGHT,
+    ):
         self._stub = stub
         self._window = BatchWindow(max_requests, window_ms, adaptive)
         self._queue: collections.deque[_Call | None] = collections.deque()
         self._wake = asyncio.Event()
-        self._in_flight = asyncio.Semaphore(IN_FLIGHT)
+        self._in_flight = asyncio.Semaphore(in_flight)
         self._sending: set[asyncio.Task[None]] = set()
         self.batches = 0
         self.requests = 0
@@ -223,8 +232,9 @@ class AioFrontEndServicer(rank_pb2_grpc.RecMemServicer):
         self.batcher = AioRankBatcher(
             self._stub,
             max_requests=s.max_batch_requests,
-            window_ms=s.batch_window_ms,
+            window_ms=frontend_window_ms(s),
             adaptive=s.adaptive_window,
+            in_flight=s.frontend_in_flight,
         )
 
     @staticmethod
