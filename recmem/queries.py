@@ -6,8 +6,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+
+
+class Events(Protocol):
+    """What the rank step reads of a run of one user's events, oldest first: a
+    ``UserEvents``, or a NoteBank note (recmem/archive/store.py ``Note``) as routed."""
+
+    @property
+    def items(self) -> np.ndarray: ...
+
+    @property
+    def actions(self) -> np.ndarray: ...
+
+    @property
+    def ts_ms(self) -> np.ndarray: ...
+
+    def __len__(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from models.graphs import GraphedReadout, GraphedReplay
 from models.recommender import MemoryRecommender
 from models.state import MemoryState
 from recmem.archive.routing import ROUTINGS, overlap_weights
-from recmem.queries import RankQuery, RankResult, UserEvents
+from recmem.queries import Events, RankQuery, RankResult, UserEvents
 from recmem.rows import ragged_arange
 
 log = logging.getLogger(__name__)
@@ -126,8 +126,8 @@ class RankSources(Protocol):
 
     def route_many(
         self, requests: Sequence[tuple[str, torch.Tensor, int]]
-    ) -> list[list[UserEvents]]:
-        """Top ``n_notes`` notes for query features [Q, L, H, d] (the model's
+    ) -> Sequence[Sequence[Events]]:
+        """Top ``n_notes`` notes (their events) for query features [Q, L, H, d] (the model's
         ``route_features`` of the masked queries q~), in time order, for several (user,
         features, n_notes) requests at once, answers in order."""
         ...
@@ -136,8 +136,8 @@ class RankSources(Protocol):
         self,
         requests: Sequence[tuple[str, Mapping[int, float], Mapping[int, float], int]],
         item_cat: np.ndarray | None,
-    ) -> list[list[UserEvents]]:
-        """Top ``n_notes`` notes by item / category overlap (``archive.routing`` lexical or
+    ) -> Sequence[Sequence[Events]]:
+        """Top ``n_notes`` notes (their events) by item / category overlap (``archive.routing`` lexical or
         candidates; recmem/archive/routing.py) for (user, item weights, category weights,
         n_notes) requests, in time order."""
         ...
@@ -177,26 +177,24 @@ def _pad(rows: Sequence[UserEvents], device: torch.device) -> tuple[torch.Tensor
     return tuple(torch.from_numpy(a).to(device) for a in (items, actions, ts, lengths))
 
 
-def _pad_joined(
-    rows: Sequence[Sequence[UserEvents]], device: torch.device
-) -> tuple[torch.Tensor, ...]:
+def _pad_joined(rows: Sequence[Sequence[Events]], device: torch.device) -> tuple[torch.Tensor, ...]:
     """``_pad([UserEvents.concat(parts) for parts in rows], device)`` (its plain form) with
     one concatenation of every part of every row per field and one scatter into the padded
     arrays, not a concatenation per row and a copy per row."""
     B = len(rows)
     parts = [p for ps in rows for p in ps]
-    sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+    items = [p.items for p in parts]
+    sizes = np.fromiter(map(len, items), dtype=np.int64, count=len(parts))
     owner = np.repeat(np.arange(B), [len(ps) for ps in rows])
-    lengths = np.zeros(B, dtype=np.int64)
-    np.add.at(lengths, owner, sizes)
+    lengths = np.bincount(owner, weights=sizes, minlength=B).astype(np.int64)
     T = int(lengths.max()) if B else 0
     cells = ragged_arange(np.arange(B, dtype=np.int64) * T, lengths)  # valid cells of [B, T]
-    full = [p for p in parts if len(p)]
+    full = np.flatnonzero(sizes).tolist()
     out = []
-    for name in ("items", "actions", "ts_ms"):
+    for col in (items, [p.actions for p in parts], [p.ts_ms for p in parts]):
         padded = np.zeros(B * T, dtype=np.int64)
         if full:
-            padded[cells] = np.concatenate([getattr(p, name) for p in full]).astype(np.int64)
+            padded[cells] = np.concatenate([col[j] for j in full]).astype(np.int64)
         out.append(padded.reshape(B, T))
     return tuple(torch.from_numpy(a).to(device) for a in (*out, lengths))
 
@@ -470,7 +468,7 @@ class Ranker:
         query_ev: Sequence[UserEvents],
         stored_q: Sequence[torch.Tensor | None],
         live_pos: Sequence[int],
-    ) -> list[list[UserEvents]]:
+    ) -> Sequence[Sequence[Events]]:
         """Notes to replay per request (``routing``): the archive's vote over the query
         features of the query events (stored, or one kq pass on a temporary copy for the
         rest), or item / category overlap with the query events or the candidates."""
@@ -479,7 +477,7 @@ class Ranker:
             for i, q in enumerate(queries)
             if q.replay_notes > 0 and live_pos[i] > 0 and len(query_ev[i]) > 0
         ]
-        notes: list[list[UserEvents]] = [[] for _ in queries]
+        notes: list[Sequence[Events]] = [[] for _ in queries]
         if not want:
             return notes
         if self.routing != "native":

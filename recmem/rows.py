@@ -196,6 +196,13 @@ def ring_cells(
     return r, (end[r] - counts[rep] + positions(counts)) % size
 
 
+def split_runs(values: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """``np.split(values, np.cumsum(counts)[:-1])``: consecutive views of ``counts[i]``
+    entries each, by slicing (np.split costs a few microseconds per piece)."""
+    ends = np.cumsum(counts).tolist()
+    return [values[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
 def positions(counts: np.ndarray) -> np.ndarray:
     """0 .. counts[i]-1 for each i, concatenated (int64)."""
     return ragged_arange(np.zeros(len(counts), np.int64), counts)

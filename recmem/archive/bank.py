@@ -489,12 +489,16 @@ class NoteBank:
         [C_ch, K]); see ``route_addresses``."""
         return self.route_many([(user_id, q, r)])[0]
 
-    def route_many(self, requests: Sequence[tuple[str, Any, int | None]]) -> list[list[Note]]:
+    def route_many(
+        self, requests: Sequence[tuple[str, Any, int | None]], votes: bool = True
+    ) -> list[list[Note]]:
         """``route`` for several (user, q~, r) requests at once (a rank micro-batch), the
         same notes as ``route_many_plain`` gives: the queries leave their device in one
         piece, every request's inner products with its user's notes (read from that user's
         index, never another's) are one faiss call over the batch, and the vote of all
-        requests is one computation over their query rows (``_route_rows``)."""
+        requests is one computation over their query rows (``_route_rows``). ``votes``
+        False: the stored notes themselves, not a copy of each with its ``votes`` set (the
+        rank step reads only their events; the route of a GPU index sets them still)."""
         if self._gpu is not None:  # a GPU index's rows cannot be read off the host
             return self.route_many_plain(requests)
         qs = [q for _, q, _ in requests]
@@ -520,7 +524,7 @@ class NoteBank:
             )
         rows = self.address(stacked)  # [sum n, C_ch, d_rho]
         rs = [r for _, _, r in requests]
-        return self._route_rows([u for u, _, _ in requests], rows, lens, rs)
+        return self._route_rows([u for u, _, _ in requests], rows, lens, rs, votes)
 
     def route_many_plain(self, requests: Sequence[tuple[str, Any, int | None]]) -> list[list[Note]]:
         """The plain reference of ``route_many``: request after request, its user's index
@@ -602,7 +606,12 @@ class NoteBank:
         return [with_votes(notes[k], int(votes[0, k])) for k in picked]
 
     def _route_rows(
-        self, user_ids: Sequence[str], rows: np.ndarray, lens: np.ndarray, rs: Sequence[int | None]
+        self,
+        user_ids: Sequence[str],
+        rows: np.ndarray,
+        lens: np.ndarray,
+        rs: Sequence[int | None],
+        votes: bool = True,
     ) -> list[list[Note]]:
         """``route_addresses`` for many requests, query addresses ``rows`` [sum lens, C_ch,
         d_rho] request after request (``lens`` [U] positions each): one faiss call scores
@@ -660,11 +669,15 @@ class NoteBank:
         open_ = np.zeros((W, N, ch), dtype=np.int64)
         open_[has_note] = np.concatenate(opened)
         cos = masked_cosines(raw.reshape(-1, 1, ch, N), unit[q_rows, None], open_[w_of])
-        picked, votes = vote_pick(
+        picked, counted = vote_pick(
             cos[:, 0], live[q_rows], n_w, has_note, rs_[todo], self.cfg.min_votes
         )
         ws, ks = np.nonzero(picked)  # request by request, chronological
-        for w, k, v in zip(ws.tolist(), ks.tolist(), votes[ws, ks].tolist(), strict=True):
+        if not votes:
+            for w, k in zip(ws.tolist(), ks.tolist(), strict=True):
+                out[todo[w]].append(notes[w][k])
+            return out
+        for w, k, v in zip(ws.tolist(), ks.tolist(), counted[ws, ks].tolist(), strict=True):
             out[todo[w]].append(with_votes(notes[w][k], v))
         return out
 

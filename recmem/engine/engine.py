@@ -34,7 +34,7 @@ from recmem.archive import ItemIdRows, NoteBank
 from recmem.config import Config
 from recmem.engine.dedupe import SeenEvents
 from recmem.engine.tails import RecentEvents
-from recmem.ranking import ReplayCache, UserEvents
+from recmem.ranking import Events, ReplayCache, UserEvents
 from recmem.rows import row_cells
 from recmem.state_store import UserStateStore
 from recmem.vocab import ItemVocab
@@ -583,21 +583,20 @@ class Engine:
 
     def route_many(
         self, requests: Sequence[tuple[str, torch.Tensor, int]]
-    ) -> list[list[UserEvents]]:
+    ) -> Sequence[Sequence[Events]]:
+        # the notes themselves (their events are what the rank step reads; votes unset)
         if self.bank is None:
             return [[] for _ in requests]
-        routed = self.bank.route_many(list(requests))
-        return [[UserEvents(n.items, n.actions, n.ts_ms) for n in notes] for notes in routed]
+        return self.bank.route_many(list(requests), votes=False)
 
     def route_overlap_many(
         self,
         requests: Sequence[tuple[str, Mapping[int, float], Mapping[int, float], int]],
         item_cat: np.ndarray | None,
-    ) -> list[list[UserEvents]]:
+    ) -> Sequence[Sequence[Events]]:
         if self.bank is None:
             return [[] for _ in requests]
-        routed = self.bank.route_overlap_many(list(requests), item_cat)
-        return [[UserEvents(n.items, n.actions, n.ts_ms) for n in notes] for notes in routed]
+        return self.bank.route_overlap_many(list(requests), item_cat)
 
     def inspect(self, user_id: str) -> UserInfo | None:
         """InspectUser's answer: position, Proteus blocks, notes, residence tier."""

@@ -36,6 +36,7 @@ from recmem.rows import (
     ring_cells,
     row_cells,
     row_prefixes,
+    split_runs,
 )
 
 PREFIX = "recent."
@@ -230,8 +231,7 @@ class RecentEvents:
         rows, take = self._takes(user_ids, n, "count")
         a = self._rows.arrays
         ids = a["slot"][ring_cells(rows, take, a["end"], self.keep)]
-        bounds = np.cumsum(take)[:-1]
-        cols = [np.split(v, bounds) for v in self._pool.read(ids, _EVENT_FIELDS)]
+        cols = [split_runs(v, take) for v in self._pool.read(ids, _EVENT_FIELDS)]
         out = [UserEvents(it, ac, ts) for it, ac, ts in zip(*cols)]
         if self._long:
             for i, u in enumerate(user_ids):
@@ -247,7 +247,7 @@ class RecentEvents:
         rows, take = self._takes(user_ids, n, "qcount")
         a = self._rows.arrays
         ids = a["slot"][ring_cells(rows, take, a["end"], self.keep)]
-        parts = np.split(self._pool.arrays["queries"][ids], np.cumsum(take)[:-1])
+        parts = split_runs(self._pool.arrays["queries"][ids], take)
         out: list[np.ndarray | None] = [
             q if t else None for q, t in zip(parts, take.tolist(), strict=True)
         ]

@@ -535,6 +535,12 @@ def test_route_many_equals_its_plain_reference_on_random_banks(seed):
         for u, _, r in requests
     ]
     assert _routed(bank.route_many(alike)) == _routed(bank.route_many_plain(alike))
+    # without votes (the rank step): the same notes in the same order, the stored objects
+    bare = bank.route_many(requests, votes=False)
+    assert [[n.serial for n in ns] for ns in bare] == [[n.serial for n in ns] for ns in want]
+    for (user, _, _), notes in zip(requests, bare, strict=True):
+        stored = {n.serial: n for n in bank.notes(user)}
+        assert all(n is stored[n.serial] for n in notes)
     for (user, _, _), notes in zip(requests, got, strict=True):
         stored = {n.serial: n for n in bank.notes(user)}
         assert all(n.items is stored[n.serial].items for n in notes)
