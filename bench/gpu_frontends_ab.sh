@@ -6,7 +6,7 @@
 #     bash bench/gpu_frontends_ab.sh
 # A variant is NAME:SECTION.FIELD=VALUE[,SECTION.FIELD=VALUE...]. Carried: .gpu/rank,
 # .gpu/whl (bench/gpu_site.sh). Sizes (env): ROUNDS (2), FRONTENDS (4,8), CONCURRENCY (128),
-# REPLAY (0,2), CLIENT_PROCS (6), CELL_S (3).
+# REPLAY (0,2), CLIENT_PROCS (6), CELL_S (3), SYSTEMS (memory,sasrec).
 # Output: $OUT/frontends_h200_<name>_r<round>.json and .log.
 set -u
 OUT=${OUT:?set OUT to the output folder}
@@ -25,7 +25,7 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     timeout "${FRONTENDS_TIMEOUT_S:-240}" python3 bench/bench_frontends.py --device cuda \
       --frontends "${FRONTENDS:-4,8}" --concurrency "${CONCURRENCY:-128}" \
       --replay "${REPLAY:-0,2}" --seconds "${CELL_S:-3}" --rounds 1 \
-      --client-procs "${CLIENT_PROCS:-6}" --systems memory,sasrec "${sets[@]}" \
+      --client-procs "${CLIENT_PROCS:-6}" --systems "${SYSTEMS:-memory,sasrec}" "${sets[@]}" \
       --json "$OUT/frontends_h200_${name}_r$r.json" >"$OUT/frontends_${name}_r$r.log" 2>&1
     echo "round $r $name: exit $?"; grep -E "^round" "$OUT/frontends_${name}_r$r.log"
   done
