@@ -3,7 +3,7 @@ called in process (no gRPC, no front end) on the engine ``bench/bench_rank.py``'
 ``build_memory_stack`` builds, its loop started, for one or more source trees alternating.
 
     .venv/bin/python bench/experiments/rankbatch_engine.py [--root NAME=DIR ...]
-        [--batch 32,64] [--replay 0,2] [--seconds 3] [--rounds 2]
+        [--path rankbatch,packed] [--batch 32,64] [--replay 0,2] [--seconds 3] [--rounds 2]
         [--users 256] [--events 100] [--items 3706] [--json PATH]
 
 This tree (as ``new``) and each ``--root NAME=DIR`` get a worker process with
@@ -85,7 +85,9 @@ def worker(args: argparse.Namespace) -> None:
     from proto.recmem.v1 import rank_pb2
     from recmem.server.app import limits_from_config
     from recmem.server.metrics import RankMetrics
+    from recmem.server.packed import pack_queries, unpack_results
     from recmem.server.servicer import RecMemServicer
+    from recmem.server.validation import to_queries
 
     flush_denormals()
     ns = argparse.Namespace(
@@ -132,20 +134,34 @@ def worker(args: argparse.Namespace) -> None:
             )
             for _ in range(8)
         ]
+        if cmd.get("path") == "packed":  # what a front end sends: validated, packed
+            limits = limits_from_config(cfg)
+            calls = [pack_queries(to_queries(list(c.requests), vocab, limits)) for c in calls]
+
+            def answer(call: Any, b: int = b) -> Any:
+                data = servicer.rank_packed(call, ctx)
+                results = unpack_results(data, b, vocab.item_ids, built.model_version)
+                return rank_pb2.RankBatchResponse(results=results)
+        else:
+
+            def answer(call: Any) -> Any:
+                return servicer.RankBatch(call, ctx)
+
         for c in calls[:2]:  # warm up the shape
-            servicer.RankBatch(c, ctx)
+            answer(c)
         counts = loop.counts
         batches0, n, j = counts.batches, 0, 0
         cpu0, wall0 = time.process_time(), time.perf_counter()
         stop_at = wall0 + cmd["seconds"]
         while time.perf_counter() < stop_at:
-            got = servicer.RankBatch(calls[j % len(calls)], ctx)
+            got = answer(calls[j % len(calls)])
             if any(r.code for r in got.results):
                 raise RuntimeError(f"RankBatch failed: {got.results[0].message}")
             n += b
             j += 1
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         print(json.dumps({
+            "path": cmd.get("path", "rankbatch"),
             "batch": b, "replay": replay, "calls": j, "requests": n,
             "cpu_us_per_request": round(cpu / n * 1e6, 1),
             "wall_us_per_request": round(wall / n * 1e6, 1),
@@ -183,6 +199,10 @@ def main() -> None:
     ap.add_argument("--root", action="append", default=[], help="NAME=DIR (repeatable)")
     ap.add_argument("--batch", default="32,64")
     ap.add_argument("--replay", default="0,2")
+    ap.add_argument("--path", default="rankbatch",
+                    help="rankbatch | packed (comma-separated): RankBatch calls, or the "
+                    "packed calls a front end sends (requests validated and packed "
+                    "beforehand, answers unpacked into RankBatchResults)")  # fmt: skip
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--users", type=int, default=256)
@@ -224,16 +244,22 @@ def main() -> None:
             ).stdout.strip()
         )
         print(name, {k: v for k, v in ready[name].items() if k != "answers"}, file=sys.stderr)
-    cells = [(int(b), int(r)) for b in args.batch.split(",") for r in args.replay.split(",")]
+    cells = [
+        (path, int(b), int(r))
+        for path in args.path.split(",")
+        for b in args.batch.split(",")
+        for r in args.replay.split(",")
+    ]
     rows: list[dict[str, Any]] = []
     names = list(procs)
     for rnd in range(args.rounds):
         order = names if rnd % 2 == 0 else names[::-1]
-        for b, r in cells:
+        for path, b, r in cells:
             for name in order:
                 p = procs[name]
                 assert p.stdin is not None and p.stdout is not None
-                p.stdin.write(json.dumps({"batch": b, "replay": r, "seconds": args.seconds}) + "\n")
+                ask = {"path": path, "batch": b, "replay": r, "seconds": args.seconds}
+                p.stdin.write(json.dumps(ask) + "\n")
                 p.stdin.flush()
                 row = {"tree": name, "round": rnd, **json.loads(p.stdout.readline())}
                 rows.append(row)
@@ -244,10 +270,14 @@ def main() -> None:
         p.stdin.flush()
         p.wait(60)
     summary: dict[str, dict[str, float]] = {}
-    for b, r in cells:
+    for path, b, r in cells:
         for name in names:
-            mine = [x for x in rows if x["tree"] == name and x["batch"] == b and x["replay"] == r]
-            summary[f"{name} B={b} R={r}"] = {
+            mine = [
+                x
+                for x in rows
+                if (x["tree"], x["path"], x["batch"], x["replay"]) == (name, path, b, r)
+            ]
+            summary[f"{name} {path} B={b} R={r}"] = {
                 "cpu_us_per_request_min": min(x["cpu_us_per_request"] for x in mine),
                 "cpu_us_per_request_max": max(x["cpu_us_per_request"] for x in mine),
                 "wall_us_per_request_min": min(x["wall_us_per_request"] for x in mine),
@@ -262,6 +292,7 @@ def main() -> None:
         "machine": machine_facts(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "settings": {
+            "path": args.path,
             "batch": args.batch,
             "replay": args.replay,
             "seconds": args.seconds,

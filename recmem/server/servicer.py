@@ -5,6 +5,7 @@ owned: here, forwarded, or redirected (recmem/server/routing.py)."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import time
@@ -241,16 +242,30 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
 
     def _count(self, res: RankResult) -> None:
         """Count a result in the metrics (notes replayed, cold starts, replay cache hits)."""
-        if self._metrics is not None:
-            self._metrics.notes_replayed.inc(res.notes_replayed)
-            if res.cold_start:
-                self._metrics.cold_starts.inc()
-            if res.from_cache:
-                self._metrics.replay_cache_hits.inc()
+        self._count_many([res])
 
-    def _fill(self, response: rank_pb2.RankResponse, res: RankResult) -> None:
-        """Write a result into an empty RankResponse (and count it in the metrics)."""
-        self._count(res)
+    def _count_many(self, results: Sequence[RankResult]) -> None:
+        """``_count`` of each result, one metric update per metric (not per result)."""
+        m = self._metrics
+        if m is None or not results:
+            return
+        m.notes_replayed.inc(sum(r.notes_replayed for r in results))
+        if cold := sum(r.cold_start for r in results):
+            m.cold_starts.inc(cold)
+        if cached := sum(r.from_cache for r in results):
+            m.replay_cache_hits.inc(cached)
+
+    def _count_codes(self, codes: Sequence[grpc.StatusCode]) -> None:
+        """Count answered requests by status: one update per status present."""
+        if self._metrics is not None:
+            for name, n in collections.Counter(c.name for c in codes).items():
+                self._metrics.requests.labels(code=name).inc(n)
+
+    def _fill(self, response: rank_pb2.RankResponse, res: RankResult, count: bool = True) -> None:
+        """Write a result into an empty RankResponse (and, with ``count``, count it in the
+        metrics)."""
+        if count:
+            self._count(res)
         fill_response(
             response,
             self._vocab.item_ids,
@@ -292,17 +307,17 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         timeout = self._deadline(context)
         got = self._wait_many(self._submit_many(queries, [None] * n), n, timeout)
         out: list[RankResult | rank_pb2.RankBatchResult] = []
+        codes: list[grpc.StatusCode] = []
         for res in got:
             if isinstance(res, RankResult):
-                self._count(res)
                 out.append(res)
-                code = grpc.StatusCode.OK
+                codes.append(grpc.StatusCode.OK)
             else:
                 failure = res if isinstance(res, RoutingFailure) else self._failure(res)
                 out.append(_batch_failure(failure))
-                code = failure.code
-            if self._metrics is not None:
-                self._metrics.requests.labels(code=code.name).inc()
+                codes.append(failure.code)
+        self._count_many([r for r in out if isinstance(r, RankResult)])
+        self._count_codes(codes)
         return packed.pack_results(out)
 
     def packed_handler(self) -> grpc.GenericRpcHandler:
@@ -366,22 +381,23 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         for i, ranked in zip(valid, self._wait_many(submitted, len(valid), timeout), strict=True):
             answers[i] = ranked
         out = rank_pb2.RankBatchResponse()
+        codes: list[grpc.StatusCode] = []
         for got in answers:
             result = out.results.add()
             if isinstance(got, BaseException):
                 failure = got if isinstance(got, RoutingFailure) else self._failure(got)
                 result.CopyFrom(_batch_failure(failure))
-                code = failure.code
+                codes.append(failure.code)
             else:
                 if isinstance(got, RankResult):
-                    self._fill(result.response, got)
+                    self._fill(result.response, got, count=False)
                 else:
                     assert got is not None
                     result.response.CopyFrom(got)
                 result.response.SetInParent()
-                code = grpc.StatusCode.OK
-            if self._metrics is not None:
-                self._metrics.requests.labels(code=code.name).inc()
+                codes.append(grpc.StatusCode.OK)
+        self._count_many([a for a in answers if isinstance(a, RankResult)])
+        self._count_codes(codes)
         return out
 
     def _submit_many(

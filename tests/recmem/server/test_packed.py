@@ -192,6 +192,10 @@ def test_rank_packed_answers_as_rank_batch(env: RankEnv, loop: EngineLoop) -> No
         assert (
             getattr(fast._metrics, name)._value.get() == getattr(plain._metrics, name)._value.get()
         )
+    # counted once per batch, as many as the answers say
+    answered = [r.response for r in want.results]
+    assert plain._metrics.notes_replayed._value.get() == sum(r.notes_replayed for r in answered)
+    assert plain._metrics.cold_starts._value.get() == sum(r.cold_start for r in answered) > 0
     assert fast._metrics.packed_requests._value.get() == 7
     assert plain._metrics.packed_requests._value.get() == 0
 
