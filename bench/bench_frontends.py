@@ -41,7 +41,9 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -161,17 +163,27 @@ class WindowSampler:
     """Samples the server process's counts and CPU clocks at a cell's timed window's start
     and end, from a thread, while the clients run (``run_cell``'s ``window`` callback)."""
 
-    def __init__(self, conn: Any, setting: tuple[str, int]) -> None:
+    def __init__(
+        self, conn: Any, setting: tuple[str, int], profile: tuple[int, str] | None = None
+    ) -> None:
         self.conn, self.setting = conn, setting
+        self.profile = profile
+        """(engine pid, output file): record the window with py-spy (every thread, the
+        samples that hold the GIL, raw collapsed stacks)."""
         self.samples: list[dict[str, Any]] = []
         self._thread: threading.Thread | None = None
 
     def start(self, start_at: float, stop_at: float) -> None:
         def sample() -> None:
+            spy = None
             for at in (start_at, stop_at):
                 time.sleep(max(0.0, at - time.time()))
+                if spy is None and self.profile is not None:
+                    spy = _py_spy(*self.profile, seconds=max(1, int(stop_at - start_at)))
                 self.conn.send(self.setting)
                 self.samples.append(self.conn.recv())
+            if spy is not None:
+                spy.wait(30)
 
         self._thread = threading.Thread(target=sample, name="window-sampler", daemon=True)
         self._thread.start()
@@ -181,6 +193,17 @@ class WindowSampler:
         assert self._thread is not None, "run_cell did not call the window callback"
         self._thread.join()
         return self.samples[0], self.samples[1]
+
+
+def _py_spy(pid: int, path: str, seconds: int) -> subprocess.Popen[bytes] | None:
+    """py-spy recording ``pid`` for ``seconds`` into ``path`` (None without py-spy)."""
+    exe = os.environ.get("PYSPY") or shutil.which("py-spy")
+    if exe is None:
+        print("no py-spy: --profile-engine records nothing", flush=True)
+        return None
+    cmd = [exe, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "200",
+           "--gil", "--threads", "--nonblocking", "--format", "raw", "-o", path]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -221,6 +244,10 @@ def main() -> None:
                          "host: independent clients, no shared GIL)")  # fmt: skip
     ap.add_argument("--set", action="append", default=[], metavar="section.field=value")
     ap.add_argument("--json", default="", help="output file")
+    ap.add_argument("--profile-engine", default="", metavar="DIR",
+                    help="record the engine process with py-spy (--gil --threads, raw) during "
+                    "each cell's timed window, into DIR/pyspy_<cell>.txt (py-spy from $PYSPY "
+                    "or PATH)")  # fmt: skip
     args = ap.parse_args()
     args.replay_cache = 0  # every request replays (no events arrive while the cells run)
     cells: list[dict[str, Any]] = []
@@ -244,7 +271,11 @@ def main() -> None:
                         for system, n in order:
                             parent.send((system, n))
                             before = parent.recv()
-                            sampler = WindowSampler(parent, (system, n))
+                            profile = None
+                            if args.profile_engine:
+                                name = f"pyspy_{system}_f{n}_c{c}_R{replay}_r{r}.txt"
+                                profile = (info["pid"], str(Path(args.profile_engine) / name))
+                            sampler = WindowSampler(parent, (system, n), profile)
                             cell = run_cell(info["ports"][system][n], c, "cand100", replay,
                                             args.seconds, args.users, args.items, seed=c,
                                             procs=args.client_procs,
