@@ -99,12 +99,23 @@ class BatchWindow:
     more are queued), and has enough once it holds the previous batch's size plus what
     queued while that was sent."""
 
-    def __init__(self, max_requests: int, window_ms: float, adaptive: bool) -> None:
+    def __init__(
+        self, max_requests: int, window_ms: float, adaptive: bool, in_flight: int = IN_FLIGHT
+    ) -> None:
         self.max = max_requests
+        self.in_flight = in_flight
+        """Batches a batcher keeps in flight at once."""
         self._window_s = window_ms / 1000.0
         self._adaptive = adaptive
         self._last_size = 1
         self._expected = 1
+
+    @classmethod
+    def from_config(cls, s: Any) -> BatchWindow:
+        """A front end's rule from ``[server]``: ``max_batch_requests``, the window
+        (``frontend_window_ms``), ``adaptive_window``, ``frontend_in_flight``."""
+        return cls(s.max_batch_requests, frontend_window_ms(s), s.adaptive_window,
+                   s.frontend_in_flight)  # fmt: skip
 
     def open(self, queued: bool) -> tuple[float, int]:
         """(monotonic deadline, requests that are enough) for a batch starting now, with
@@ -125,28 +136,19 @@ class BatchWindow:
 class RankBatcher:
     """Collects Rank requests into RankBatch calls on ``stub`` (the engine process's).
 
-    A batch takes the first request queued, waits until fewer than ``in_flight`` batches are
-    in flight, then takes whatever has queued meanwhile, up to ``max_requests``
-    (``server.max_batch_requests``, the most one RankBatch may hold). It then waits at most
-    ``window_ms`` for more, and with ``adaptive`` (as the engine loop's micro-batches) only
-    under concurrency, closing as soon as it holds as many requests as the previous batch
-    plus those queued while that was sent."""
+    A batch (``window``, a ``BatchWindow``) takes the first request queued, waits until fewer
+    than ``window.in_flight`` batches are in flight, then takes whatever has queued
+    meanwhile, up to ``window.max`` (``server.max_batch_requests``, the most one RankBatch
+    may hold). It then waits at most the window for more, and when adaptive (as the engine
+    loop's micro-batches) only under concurrency, closing as soon as it holds as many
+    requests as the previous batch plus those queued while that was sent."""
 
-    def __init__(
-        self,
-        stub: Any,
-        *,
-        max_requests: int,
-        window_ms: float,
-        adaptive: bool,
-        in_flight: int = IN_FLIGHT,
-        packed: PackedClient | None = None,
-    ) -> None:
+    def __init__(self, stub: Any, window: BatchWindow, packed: PackedClient | None = None) -> None:
         self._stub = stub
         self._packed = packed
-        self._window = BatchWindow(max_requests, window_ms, adaptive)
+        self._window = window
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._in_flight = threading.Semaphore(in_flight)
+        self._in_flight = threading.Semaphore(window.in_flight)
         self.batches = 0
         self.requests = 0
         self._thread = threading.Thread(target=self._run, name="rank-batcher", daemon=True)
@@ -434,10 +436,7 @@ class FrontEndServicer(rank_pb2_grpc.RecMemServicer):
         self._timeout_s = s.request_timeout_s
         self.batcher = RankBatcher(
             self._stub,
-            max_requests=s.max_batch_requests,
-            window_ms=frontend_window_ms(s),
-            adaptive=s.adaptive_window,
-            in_flight=s.frontend_in_flight,
+            BatchWindow.from_config(s),
             packed=PackedClient(channel) if s.frontend_packed else None,
         )
 

@@ -35,12 +35,10 @@ from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.config import Config
 from recmem.server.app import AioGrpcServer
 from recmem.server.frontend import (
-    IN_FLIGHT,
     BatchWindow,
     FrontEndMetrics,
     channel_options,
     failure_trailing,
-    frontend_window_ms,
     status_code,
 )
 from recmem.server.routing import FORWARDED
@@ -63,26 +61,18 @@ class _Call:
 
 class AioRankBatcher:
     """``RankBatcher`` (recmem/server/frontend.py) as an asyncio task on the running loop:
-    the same collection rule (first queued call, at most ``in_flight`` batches in flight,
-    what queued meanwhile up to ``max_requests``, the window, the adaptive close), one
+    the same collection rule (``window``: first queued call, at most ``window.in_flight``
+    batches in flight, what queued meanwhile up to ``window.max``, the window, the adaptive close), one
     ``RankBatch`` per ``recmem-forwarded`` value, awaited on the aio ``stub``. A call whose
     future is done before its batch is sent (its deadline passed, its caller went away) is
     left out."""
 
-    def __init__(
-        self,
-        stub: Any,
-        *,
-        max_requests: int,
-        window_ms: float,
-        adaptive: bool,
-        in_flight: int = IN_FLIGHT,
-    ):
+    def __init__(self, stub: Any, window: BatchWindow):
         self._stub = stub
-        self._window = BatchWindow(max_requests, window_ms, adaptive)
+        self._window = window
         self._queue: collections.deque[_Call | None] = collections.deque()
         self._wake = asyncio.Event()
-        self._in_flight = asyncio.Semaphore(in_flight)
+        self._in_flight = asyncio.Semaphore(window.in_flight)
         self._sending: set[asyncio.Task[None]] = set()
         self.batches = 0
         self.requests = 0
@@ -229,13 +219,7 @@ class AioFrontEndServicer(rank_pb2_grpc.RecMemServicer):
         s = cfg.server
         self._stub = rank_pb2_grpc.RecMemStub(channel)  # type: ignore[no-untyped-call]
         self._timeout_s = s.request_timeout_s
-        self.batcher = AioRankBatcher(
-            self._stub,
-            max_requests=s.max_batch_requests,
-            window_ms=frontend_window_ms(s),
-            adaptive=s.adaptive_window,
-            in_flight=s.frontend_in_flight,
-        )
+        self.batcher = AioRankBatcher(self._stub, BatchWindow.from_config(s))
 
     @staticmethod
     def _forwarded(context: grpc.aio.ServicerContext[Any, Any]) -> str:

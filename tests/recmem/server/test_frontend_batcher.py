@@ -15,7 +15,7 @@ import pytest
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.config import Config
-from recmem.server.frontend import RankBatcher, frontend_window_ms
+from recmem.server.frontend import BatchWindow, RankBatcher, frontend_window_ms
 
 TIMEOUT = 10.0
 
@@ -71,7 +71,7 @@ def test_at_most_in_flight_batches_then_the_rest_together(
 ) -> None:
     servicer, channel = engine
     stub = rank_pb2_grpc.RecMemStub(channel)  # type: ignore[no-untyped-call]
-    batcher = RankBatcher(stub, max_requests=256, window_ms=0.0, adaptive=True, in_flight=in_flight)
+    batcher = RankBatcher(stub, BatchWindow(256, 0.0, True, in_flight=in_flight))
     try:
         deadline = time.monotonic() + TIMEOUT
         first = []
@@ -101,4 +101,7 @@ def test_the_front_end_window_defaults_to_the_engine_loops() -> None:
     s.frontend_window_ms = 0.0
     assert frontend_window_ms(s) == 0.0
     s.frontend_window_ms = 1.5
+    s.frontend_in_flight = 3
     assert frontend_window_ms(s) == 1.5
+    window = BatchWindow.from_config(s)
+    assert (window.max, window.in_flight) == (s.max_batch_requests, 3)
