@@ -334,7 +334,7 @@ class ServerConfig:
     security, health, drain and metrics either way (docs/serving.md, "Front-end
     processes")."""
     frontend_packed: bool = True
-    """With ``frontends`` in ``threads`` mode: a front end validates its Rank calls itself,
+    """With ``frontends`` (either ``frontend_mode``): a front end validates its Rank calls itself,
     looks their candidates up in the engine's vocabulary and builds the responses, and
     sends the engine process numpy arrays (item indices in, item indices and scores out)
     instead of a RankBatch, so the engine process's one core goes to the rank step. The

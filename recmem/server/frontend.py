@@ -310,7 +310,7 @@ class PackedClient:
 
     RETRY_S = 1.0
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
         self._describe = channel.unary_unary(packed.DESCRIBE)
         self.rank = channel.unary_unary(packed.RANK)
         self.description: EngineDescription | None = None
@@ -319,27 +319,39 @@ class PackedClient:
 
     def ready(self) -> EngineDescription | None:
         """The description, or None where the packed path is not (yet) to be used."""
-        if self.description is not None or self.off:
+        if not self._due():
             return self.description
+        try:
+            return self._took(EngineDescription.parse(self._describe(b"", timeout=2.0)))
+        except grpc.RpcError as e:
+            self._failed(e)
+            return None
+
+    def _due(self) -> bool:
+        """Whether to ask the engine process now (nothing known, the last ask long enough
+        ago); notes the time when so."""
+        if self.description is not None or self.off:
+            return False
         now = time.monotonic()
         if now - self._asked_at < self.RETRY_S:
-            return None
+            return False
         self._asked_at = now
-        try:
-            described = EngineDescription.parse(self._describe(b"", timeout=2.0))
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
-                self.off = True
-                log.info("the engine process has no packed path; RankBatch serves every call")
-            else:
-                log.warning("the engine process's description failed (RankBatch meanwhile): %s", e)
-            return None
+        return True
+
+    def _took(self, described: EngineDescription) -> EngineDescription | None:
         if not described.packed:
             self.off = True
             log.info("the engine process routes calls; RankBatch serves every call")
             return None
         self.description = described
         return described
+
+    def _failed(self, e: grpc.RpcError) -> None:
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+            self.off = True
+            log.info("the engine process has no packed path; RankBatch serves every call")
+        else:
+            log.warning("the engine process's description failed (RankBatch meanwhile): %s", e)
 
 
 def status_code(code: int) -> grpc.StatusCode:

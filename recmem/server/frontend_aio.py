@@ -6,8 +6,9 @@ batching thread and waits on a future the gRPC callback thread completes: three 
 hand-offs per call, each a GIL transfer. Here one event loop thread does all of it: each
 Rank call is a coroutine that puts its request on the batcher's queue and awaits its own
 future; the batcher (``AioRankBatcher``, an asyncio task) collects the calls as
-``RankBatcher`` does (the same rule, ``server.frontend_in_flight`` batches at most) and awaits the engine
-process's ``RankBatch`` on a ``grpc.aio`` channel, answering each caller's future. What a
+``RankBatcher`` does (the same rule, ``server.frontend_in_flight`` batches at most) and awaits
+the engine process's packed call (``server.frontend_packed``) or ``RankBatch`` on a ``grpc.aio``
+channel, answering each caller's future. What a
 caller sees is what the threads front end answers: the same server construction
 (``AioGrpcServer``: TLS, bearer token, message size limit, undecodable payloads, health,
 reflection, the drain), the same statuses, messages and trailing metadata, deadlines,
@@ -25,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,15 +35,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.config import Config
+from recmem.queries import RankQuery
+from recmem.server import packed
 from recmem.server.app import AioGrpcServer
 from recmem.server.frontend import (
     BatchWindow,
     FrontEndMetrics,
+    PackedClient,
     channel_options,
     failure_trailing,
     status_code,
 )
+from recmem.server.packed import EngineDescription
 from recmem.server.routing import FORWARDED
+from recmem.server.validation import InvalidRequest, to_queries
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +69,16 @@ class _Call:
 class AioRankBatcher:
     """``RankBatcher`` (recmem/server/frontend.py) as an asyncio task on the running loop:
     the same collection rule (``window``: first queued call, at most ``window.in_flight``
-    batches in flight, what queued meanwhile up to ``window.max``, the window, the adaptive close), one
-    ``RankBatch`` per ``recmem-forwarded`` value, awaited on the aio ``stub``. A call whose
+    batches in flight, what queued meanwhile up to ``window.max``, the window, the adaptive
+    close), one call per ``recmem-forwarded`` value, awaited on the aio ``stub``: with
+    ``packed`` (``server.frontend_packed``) the valid requests of a call not forwarded go
+    packed as ``RankBatcher`` sends them, the rest as a RankBatch. A call whose
     future is done before its batch is sent (its deadline passed, its caller went away) is
     left out."""
 
-    def __init__(self, stub: Any, window: BatchWindow):
+    def __init__(self, stub: Any, window: BatchWindow, packed: AioPackedClient | None = None):
         self._stub = stub
+        self._packed = packed
         self._window = window
         self._queue: collections.deque[_Call | None] = collections.deque()
         self._wake = asyncio.Event()
@@ -158,22 +168,52 @@ class AioRankBatcher:
         for forwarded, calls in groups.items():
             timeout = max(max(c.deadline for c in calls) - now, 0.001)
             task = asyncio.get_running_loop().create_task(
-                self._rank_batch(calls, forwarded, timeout, left)
+                self._send_group(calls, forwarded, timeout, left)
             )
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
-    async def _rank_batch(
+    async def _send_group(
         self, calls: list[_Call], forwarded: str, timeout: float, left: list[int]
     ) -> None:
-        metadata = ((FORWARDED, forwarded),) if forwarded else ()
-        request = rank_pb2.RankBatchRequest(requests=[c.request for c in calls])
+        """One group's calls to the engine process: packed where the engine offers it (the
+        requests that validate; the others, and forwarded ones, as RankBatch), each call
+        answered; the batch's in-flight slot freed after its last group."""
         try:
-            response = await self._stub.RankBatch(request, timeout=timeout, metadata=metadata)
-            results = list(response.results)
-            if len(results) != len(calls):
-                raise RuntimeError(f"{len(results)} results for {len(calls)} requests")
-            for c, r in zip(calls, results):
+            local = self._packed is not None and not forwarded
+            described = await self._packed.ready_async() if local and self._packed else None
+            if described is None:
+                await self._answer(calls, self._via_rank_batch(calls, forwarded, timeout))
+                return
+            good, bad = [], []
+            queries = to_queries([c.request for c in calls], described.vocab, described.limits)
+            for c, q in zip(calls, queries, strict=True):
+                if isinstance(q, InvalidRequest):
+                    bad.append(c)  # the engine process answers (and counts) them as RankBatch
+                else:
+                    good.append((c, q))
+            jobs = []
+            if good:
+                sent = self._via_packed([q for _, q in good], described, timeout)
+                jobs.append(self._answer([c for c, _ in good], sent))
+            if bad:
+                jobs.append(self._answer(bad, self._via_rank_batch(bad, "", timeout)))
+            await asyncio.gather(*jobs)
+        finally:
+            left[0] -= 1
+            if left[0] == 0:
+                self._in_flight.release()
+
+    @staticmethod
+    async def _answer(
+        calls: list[_Call], results: Coroutine[Any, Any, list[rank_pb2.RankBatchResult]]
+    ) -> None:
+        """Each call's result from the awaited ``results`` (one per call), or its failure."""
+        try:
+            got = await results
+            if len(got) != len(calls):
+                raise RuntimeError(f"{len(got)} results for {len(calls)} requests")
+            for c, r in zip(calls, got):
                 if not c.result.done():
                     c.result.set_result(r)
         except BaseException as e:  # noqa: BLE001 - each caller answers with it
@@ -182,10 +222,38 @@ class AioRankBatcher:
                     c.result.set_exception(e)
             if isinstance(e, asyncio.CancelledError):
                 raise
-        finally:
-            left[0] -= 1
-            if left[0] == 0:
-                self._in_flight.release()
+
+    async def _via_rank_batch(
+        self, calls: list[_Call], forwarded: str, timeout: float
+    ) -> list[rank_pb2.RankBatchResult]:
+        metadata = ((FORWARDED, forwarded),) if forwarded else ()
+        request = rank_pb2.RankBatchRequest(requests=[c.request for c in calls])
+        response = await self._stub.RankBatch(request, timeout=timeout, metadata=metadata)
+        return list(response.results)
+
+    async def _via_packed(
+        self, queries: list[RankQuery], described: EngineDescription, timeout: float
+    ) -> list[rank_pb2.RankBatchResult]:
+        assert self._packed is not None
+        data = await self._packed.rank(packed.pack_queries(queries), timeout=timeout)
+        return packed.unpack_results(
+            data, len(queries), described.vocab.item_ids, described.model_version
+        )
+
+
+class AioPackedClient(PackedClient):
+    """``PackedClient`` on a ``grpc.aio`` channel: ``ready_async`` awaits the description
+    (the same rule: asked on first use, again at most every ``RETRY_S``, not again once
+    the engine process does not offer the path)."""
+
+    async def ready_async(self) -> EngineDescription | None:
+        if not self._due():
+            return self.description
+        try:
+            return self._took(EngineDescription.parse(await self._describe(b"", timeout=2.0)))
+        except grpc.aio.AioRpcError as e:
+            self._failed(e)
+            return None
 
 
 class _Refused(Exception):
@@ -219,7 +287,11 @@ class AioFrontEndServicer(rank_pb2_grpc.RecMemServicer):
         s = cfg.server
         self._stub = rank_pb2_grpc.RecMemStub(channel)  # type: ignore[no-untyped-call]
         self._timeout_s = s.request_timeout_s
-        self.batcher = AioRankBatcher(self._stub, BatchWindow.from_config(s))
+        self.batcher = AioRankBatcher(
+            self._stub,
+            BatchWindow.from_config(s),
+            packed=AioPackedClient(channel) if s.frontend_packed else None,
+        )
 
     @staticmethod
     def _forwarded(context: grpc.aio.ServicerContext[Any, Any]) -> str:

@@ -205,9 +205,9 @@ def test_concurrent_callers_share_engine_batches(
     assert counts.largest_batch > 1
     ok = registry.get_sample_value("recmem_rank_requests_total", {"code": "OK"})
     assert ok == ok_before + n  # each front-end call counted in the engine's metrics
-    # the threads front end sends them packed (server.frontend_packed), aio as RankBatch
+    # both front ends send them packed (server.frontend_packed)
     packed = registry.get_sample_value("recmem_rank_packed_requests_total") - packed_before
-    assert packed == (n if svc.cfg.server.frontend_mode == "threads" else 0)
+    assert packed == n
     # and timed at the front end that answered it, summed over the front-end processes
     assert registry.get_sample_value(front) == timed_before + n
     slow = registry.get_sample_value("recmem_frontend_rank_latency_seconds_bucket", {"le": "+Inf"})
