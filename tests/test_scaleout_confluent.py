@@ -2,14 +2,20 @@
 member data: each member learns the other partitions' owners from their checkpoint claims
 (recmem/routing.py ``ClaimedOwners``). Two real serve processes on the embedded broker,
 real gRPC on 127.0.0.1: a user owned by the other member, asked here, gets the owner's
-answer (forwarded), equal to the single-process run; the client library calls owners
+answer (forwarded), equal to the single-process run, after the second member joined and
+took partitions over from the first; the client library calls owners
 directly; and the claims rule: a claim naming this member for a partition it does not
 hold is not taken as ownership."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+import grpc
 import pytest
 
+from proto.recmem.v1 import rank_pb2
 from recmem.checkpoint import CheckpointStore
 from recmem.client import RankClient
 from recmem.config import Config
@@ -42,24 +48,31 @@ def test_confluent_members_route_users_to_their_owner(tmp_path, kafka_config):
     want = reference_ranks(ref, users)
     cluster = Cluster(cfg, tmp_path / "cluster", 2)
     try:
-        cluster.start_all()
+        # one member first, then a second joins: partitions move, each new owner claims them
+        cluster.start(0)
+        cluster.wait(lambda: cluster.settled(1), 120, "the first member owning every partition")
+        assert cluster.routing(0).partitions == PARTITIONS
+        cluster.start(1)
+        store = checkpoints(cfg)
+        addr = {inst.address: inst.index for inst in cluster.instances}
+
+        def agreed() -> bool:
+            """Both maps name every partition's last claimant (read every 0.5 s)."""
+            claimed = {p: addr.get(store.fence(p).owner, -1) for p in range(PARTITIONS)}
+            return cluster.owners(0) == cluster.owners(1) == claimed
+
         cluster.wait(
-            lambda: cluster.settled(2) and caught_up(cfg, work.ends),
+            lambda: cluster.settled(2) and caught_up(cfg, work.ends) and agreed(),
             180,
             "two members owning every partition (own + claims), every event checkpointed",
         )
         owners = cluster.owners(0)
-        assert owners == cluster.owners(1), "the two members' maps differ"
         assert sorted(set(owners.values())) == [0, 1]
-        # the maps agree with who claimed each partition last
-        store = checkpoints(cfg)
-        addr = {inst.address: inst.index for inst in cluster.instances}
-        assert {p: addr[store.fence(p).owner] for p in range(PARTITIONS)} == owners
         for i in range(2):
             others = [u for u in users if owners[partition_for(u, PARTITIONS)] != i]
             mine = [u for u in users if owners[partition_for(u, PARTITIONS)] == i]
             assert others and mine
-            got = cluster.rank_all(i, others[::3] + mine[::9])
+            got = rank_when_restored(cluster, i, others[::3] + mine[::9])
             for user, answer in got.items():
                 assert_same_ranking(answer, want[user], user)
         with RankClient([inst.address for inst in cluster.instances]) as client:
@@ -73,6 +86,27 @@ def test_confluent_members_route_users_to_their_owner(tmp_path, kafka_config):
     finally:
         cluster.close()
         ref.close()
+
+
+def rank_when_restored(cluster: Cluster, i: int, users: list[str]) -> dict[str, Any]:
+    """Rank ``users`` through member ``i``. The claims may name a member while it still
+    restores the partition (it claims first): the answer is then UNAVAILABLE with a retry
+    hint, retried here for up to 30 s; any other failure fails the test."""
+    stub = cluster.stub(i)
+    out: dict[str, Any] = {}
+    deadline = time.monotonic() + 30
+    for user in users:
+        while True:
+            try:
+                out[user] = stub.Rank(
+                    rank_pb2.RankRequest(user_id=user, k=10, request_ts_ms=REQUEST_TS), timeout=30
+                )
+                break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    return out
 
 
 def test_claims_fill_the_map_but_never_make_this_member_an_owner(tmp_path):
