@@ -4,7 +4,7 @@ the whole host against one member, in one run (issue 14's host-level goals).
     .venv/bin/python bench/host_members.py [--members 1,4] [--dataset workload]
         [--events 1000000] [--partitions 16] [--produce-procs 8] [--interval 10]
         [--concurrency 64] [--replay 0,2] [--rank-seconds 5] [--client-procs 4]
-        [--set section.field=value ...] [--json PATH]
+        [--set section.field=value ...] [--clients kafka-python,confluent] [--json PATH]
 
 A member is an ordinary ``recmem serve`` process (tests/cluster.py starts them, each with
 its own gRPC and metrics port); members of one consumer group split the topic's
@@ -33,6 +33,12 @@ the one GPU (docs/scaling.md). The run:
    users more often; a uniform draw would mostly pick users too new to have notes).
    Figures: requests/s, p50 / p99 / mean latency, errors, mean notes replayed (each
    caller's first 64 answers), and the cores the members and the clients kept busy.
+
+``--clients``: run every N once per Kafka client (``kafka.client``; confluent is librdkafka,
+whose members learn the other partitions' owners from the checkpoint claims,
+docs/streams.md), in that order, on the same records; the runs are then keyed
+``client/N`` and the JSON adds each client's ratios and each N's ingest rate over the
+first client's. ``--rank-seconds 0``: ingest only.
 
 Writes bench/results/host_members_<device>.json (or --json; also after each N, with
 ``complete`` false until the end): machine, date, commit, command, production, per N the
@@ -264,6 +270,12 @@ def main() -> None:
     ap.add_argument("--rank-seconds", type=float, default=5.0)
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--set", action="append", default=[], help="section.field=value")
+    ap.add_argument(
+        "--clients",
+        default="",
+        help="comma-separated kafka.client values, each run over every N of --members "
+        "(e.g. kafka-python,confluent; default: the configured one only)",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -283,6 +295,11 @@ def main() -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     members = [int(x) for x in args.members.split(",")]
     replays = [int(x) for x in args.replay.split(",")]
+    clients = [x for x in args.clients.split(",") if x] or [""]
+    from streams.clients import CLIENTS
+
+    if any(cl and cl not in CLIENTS for cl in clients):
+        ap.error(f"--clients: each one of {', '.join(CLIENTS)}")
     cfg = load_config(None, args.set, environ={})
     stream = open_stream(args.dataset, cfg)
     n = min(args.events, stream.n_events) if args.events else stream.n_events
@@ -301,6 +318,7 @@ def main() -> None:
         "partitions": args.partitions,
         "checkpoint_interval_s": args.interval,
         "overrides": args.set,
+        "kafka_clients": [cl or cfg.kafka.client for cl in clients],
         "rank_request": f"{CANDIDATES} random candidates, k = {K}, users drawn in proportion "
         "to their ingested events (20,000 draws), RankClient (owner called directly); "
         "a warm-up cell of 3 s per N first, not recorded",
@@ -339,21 +357,26 @@ def main() -> None:
             users = stream.user_ids[rng.choice(len(counts), 20000, p=counts / counts.sum())]
             users_l = [str(u) for u in users.tolist()]
             items_l = [str(i) for i in stream.item_ids.tolist()]
-            for m in members:
+            for client, m in [(cl, m) for cl in clients for m in members]:
+                key = str(m) if len(clients) == 1 else f"{client}/{m}"
                 c = Config.from_dict(cfg.to_dict())
-                c.kafka.group_id = f"bench-host-{m}"
+                if client:
+                    c.kafka.client = client
+                c.kafka.group_id = f"bench-host-{client or 'default'}-{m}"
                 c.checkpoint.dir = str(work / f"ckpt-{m}")
                 c.checkpoint.interval_s = args.interval
                 # each member's slab holds its share of the users, with room for skew
                 share = math.ceil(n_users / m * 1.25) + 1024
                 c.state.device_capacity = max(c.state.device_capacity, share)
                 cluster = Cluster(c, work / f"cluster-{m}", m, metrics=True)
-                run: dict[str, Any] = {}
-                result["runs"][str(m)] = run
+                run: dict[str, Any] = {"kafka_client": c.kafka.client}
+                result["runs"][key] = run
                 try:
                     run["ingest"] = ingest_pass(cluster, c, n, ends)
-                    say(f"{m} member(s): {run['ingest']}")
+                    say(f"{key} member(s), {c.kafka.client}: {run['ingest']}")
                     save(complete=False)
+                    if args.rank_seconds <= 0:
+                        continue
                     addrs = [inst.address for inst in cluster.instances]
                     pids = [inst.proc.pid for inst in cluster.instances if inst.proc]
                     rank_cell(addrs, users_l, items_l, max(replays), args, pids, 3.0)
@@ -361,7 +384,7 @@ def main() -> None:
                     for r in replays:
                         cell = rank_cell(addrs, users_l, items_l, r, args, pids)
                         run["rank"].append(cell)
-                        say(f"{m} member(s), R={r}: {cell['throughput_rps']} req/s, "
+                        say(f"{key} member(s), R={r}: {cell['throughput_rps']} req/s, "
                             f"p99 {cell['p99_ms']:.1f} ms, errors {cell['errors']}")  # fmt: skip
                         save(complete=False)
                 except Exception as e:  # noqa: BLE001 - keep the runs measured so far
@@ -371,22 +394,45 @@ def main() -> None:
                     cluster.close()
                     shutil.rmtree(c.checkpoint.dir, ignore_errors=True)
                     shutil.rmtree(work / f"cluster-{m}", ignore_errors=True)
-            first, last = str(members[0]), str(members[-1])
             runs = result["runs"]
-            if "ingest" in runs.get(first, {}) and "ingest" in runs.get(last, {}):
+            for client in clients:
+                pre = "" if len(clients) == 1 else f"{client}/"
+                ratios = ratios_last_to_first(runs, f"{pre}{members[0]}", f"{pre}{members[-1]}")
+                if len(clients) == 1:
+                    result.update(ratios)
+                else:
+                    result.setdefault("ratios_by_client", {})[client] = ratios
+            if len(clients) > 1:  # each N: the other clients' ingest rate over the first's
                 key = "events_per_s_first_to_last_applied"
-                result["ingest_ratio_last_to_first"] = round(
-                    runs[last]["ingest"][key] / runs[first]["ingest"][key], 2
-                )
-            if runs.get(first, {}).get("rank") and runs.get(last, {}).get("rank"):
-                result["rank_ratio_last_to_first"] = {
-                    str(a["replay_notes"]): round(b["throughput_rps"] / a["throughput_rps"], 2)
-                    for a, b in zip(runs[first]["rank"], runs[last]["rank"])
-                    if a["throughput_rps"]
+                result["ingest_ratio_to_first_client"] = {
+                    f"{cl}/{m}": round(
+                        runs[f"{cl}/{m}"]["ingest"][key] / runs[f"{clients[0]}/{m}"]["ingest"][key],
+                        2,
+                    )
+                    for cl in clients[1:]
+                    for m in members
+                    if "ingest" in runs[f"{cl}/{m}"] and "ingest" in runs[f"{clients[0]}/{m}"]
                 }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     save(complete=True)
+
+
+def ratios_last_to_first(runs: dict[str, Any], first: str, last: str) -> dict[str, Any]:
+    """The largest N's ingest rate and rank throughput over the first N's."""
+    out: dict[str, Any] = {}
+    if "ingest" in runs.get(first, {}) and "ingest" in runs.get(last, {}):
+        key = "events_per_s_first_to_last_applied"
+        out["ingest_ratio_last_to_first"] = round(
+            runs[last]["ingest"][key] / runs[first]["ingest"][key], 2
+        )
+    if runs.get(first, {}).get("rank") and runs.get(last, {}).get("rank"):
+        out["rank_ratio_last_to_first"] = {
+            str(a["replay_notes"]): round(b["throughput_rps"] / a["throughput_rps"], 2)
+            for a, b in zip(runs[first]["rank"], runs[last]["rank"])
+            if a["throughput_rps"]
+        }
+    return out
 
 
 def user_counts(stream: Any, n: int) -> np.ndarray:

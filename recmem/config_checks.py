@@ -237,26 +237,12 @@ RULES: tuple[tuple[Callable[[Any], bool], str], ...] = (
         "workload.events must be >= workload.users (every user has at least one event)",
     ),
     (
-        lambda c: c.kafka.client != "confluent" or not c.server.advertised_address,
-        "server.advertised_address is published to the group for routing, which "
-        "kafka.client = 'confluent' cannot do (librdkafka carries no member data): leave it "
-        "empty or use kafka.client = 'kafka-python'",
-    ),
-    (
         lambda c: c.model.route_dim <= c.archive.address_dim,
         "model.route_dim must be <= archive.address_dim (the archive keeps every dimension "
         "of a learned routing address)",
     ),
 )
 """Rules between fields: (holds, the message when it does not)."""
-
-CONFLUENT_SERVE = (
-    "recmem serve with ingest routes each rank call to its user's owner by the group's "
-    "partition -> owner map (server.routing), which only kafka.client = 'kafka-python' "
-    "carries; kafka.client = 'confluent' works with recmem ingest, or with recmem serve "
-    "--no-ingest"
-)
-"""Why ``recmem serve`` with ingest refuses kafka.client = 'confluent'."""
 
 
 def problems(cfg: Any) -> list[str]:

@@ -106,3 +106,17 @@ def end_offsets(
         return {tp.partition: int(consumer.highwater(tp)) for tp in tps}
     finally:
         consumer.close()
+
+
+def partition_count(cfg: KafkaConfig, topic: str | None = None) -> int:
+    """How many partitions ``topic`` (``cfg.topic`` when not given) has, from the broker's
+    metadata; raises ValueError when the topic does not exist."""
+    topic = topic or cfg.topic
+    consumer = KafkaConsumer(client_id="recmem-metadata", **client_settings(cfg))
+    try:
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            raise ValueError(f"topic {topic!r} does not exist")
+        return len(partitions)
+    finally:
+        consumer.close()

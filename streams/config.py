@@ -22,8 +22,9 @@ class KafkaConfig:
     """The Kafka client the consumer reads with: kafka-python (default; the group members
     publish their rank addresses and model version, which routing needs) | confluent
     (librdkafka through confluent-kafka, streams/confluent.py: the same batches, commits,
-    restores and dead letters, but no group member data, so no routing: refused with
-    ``recmem serve``'s ingest and with server.advertised_address; docs/streams.md)."""
+    restores and dead letters, but no group member data: ``recmem serve`` routes by the
+    partitions' checkpoint claims instead, recmem/routing.py ``ClaimedOwners``;
+    docs/streams.md)."""
     consumer_processes: int = 0
     """0: the consumer runs in a thread of the engine's process (default). N > 0: N consumer
     processes, each a member of the group, decode and validate records and hand the

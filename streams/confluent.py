@@ -14,9 +14,10 @@ What differs, because librdkafka cannot carry a custom assignor's user data:
 
 - the member publishes nothing to the group and learns no partition -> owner map: the
   :class:`~streams.group.GroupView` handed to ``on_group`` holds the generation and this
-  member's own partitions only (``complete=False``), so group routing (``recmem serve``'s
-  forwarding and redirects, ``recmem.client``) needs kafka-python, and members of another
-  model version are not refused by the group (their checkpoint restore refuses them);
+  member's own partitions only (``complete=False``; handed again, smaller, before a
+  revoke), so ``recmem serve`` fills in the other partitions' owners from their checkpoint
+  claims (recmem/routing.py ``ClaimedOwners``), and members of another model version are
+  not refused by the group (their checkpoint restore refuses them);
 - the generation comes from librdkafka's serialised consumer-group metadata
   (:func:`generation_of`), so checkpoint fencing works as with kafka-python.
 
@@ -83,6 +84,8 @@ class ConfluentEventConsumer(BaseConsumer):
     client_name = "confluent"
     _consumer: Consumer | None = None
     _producer: Producer | None = None
+    _generation = NO_GENERATION
+    """The generation of the latest assignment (what a revoke's view carries)."""
 
     # ------------------------------------------------------------ the client
     def _open(self) -> None:
@@ -277,9 +280,10 @@ class ConfluentEventConsumer(BaseConsumer):
     def _assign_cb(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         gained = sorted(tp.partition for tp in partitions)
         owned = set(self._assigned) | set(gained)
+        self._generation = generation_of(consumer.consumer_group_metadata())
         self._on_view(
             GroupView(
-                generation=generation_of(consumer.consumer_group_metadata()),
+                generation=self._generation,
                 partitions=0,
                 owners=dict.fromkeys(sorted(owned), self.member),
                 complete=False,
@@ -288,7 +292,23 @@ class ConfluentEventConsumer(BaseConsumer):
         self._on_assigned(gained)
 
     def _revoke_cb(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._on_revoked(sorted(tp.partition for tp in partitions), lost=False)
+        self._revoked(consumer, sorted(tp.partition for tp in partitions), lost=False)
 
     def _lost_cb(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._on_revoked(sorted(tp.partition for tp in partitions), lost=True)
+        self._revoked(consumer, sorted(tp.partition for tp in partitions), lost=True)
+
+    def _revoked(self, consumer: Consumer, gone: list[int], lost: bool) -> None:
+        """The view first (this member's own partitions less those going: it no longer
+        answers for them), then the sink's revoke."""
+        owned = sorted(set(self._assigned) - set(gone))
+        self._on_view(
+            GroupView(
+                # the generation these partitions were held in (a lost member's metadata
+                # may already say -1): the same generation, a smaller own share
+                generation=self._generation,
+                partitions=0,
+                owners=dict.fromkeys(owned, self.member),
+                complete=False,
+            )
+        )
+        self._on_revoked(gone, lost=lost)

@@ -16,19 +16,20 @@ import logging
 import signal
 import threading
 import time
+from functools import partial
 from types import FrameType
 from typing import Any
 
-from recmem.config import Config, ConfigError
-from recmem.config_checks import CONFLUENT_SERVE
+from recmem.config import Config
 from recmem.engine.builder import BuiltEngine, build_engine
 from recmem.ingest import KafkaIngest, register_gauges
-from recmem.routing import OwnerMap
+from recmem.routing import ClaimedOwners, OwnerMap
 from recmem.server.app import RankServer, release_grpc
 from recmem.server.frontends import FrontEnds
 from recmem.server.metrics import RankMetrics
 from recmem.server.routing import Forwarder
 from recmem.server.servicer import Router
+from streams.admin import partition_count
 from streams.group import Member
 from streams.metrics import IngestMetrics
 
@@ -55,8 +56,6 @@ class RecMemService:
         built: BuiltEngine | None = None,
     ) -> None:
         self.cfg = cfg
-        if ingest and cfg.kafka.client == "confluent":
-            raise ConfigError(CONFLUENT_SERVE)
         if built is None:
             built = build_engine(cfg, device=device, init_model=init_model)
         elif not built.loop.alive:
@@ -96,23 +95,31 @@ class RecMemService:
         self.consumer: Any = None
         self.ingest: KafkaIngest | None = None
         self._thread: threading.Thread | None = None
+        self.claimed: ClaimedOwners | None = None
         if ingest:
-            # group routing needs kafka-python's member data (confluent is refused above)
             from streams.clients import make_consumer
 
             assert self.owners is not None
+            kafka = dataclasses.replace(
+                cfg.kafka,
+                group_id=self.built.group_id,
+                metrics_port=0,  # served below instead
+            )
+            on_view = self.owners.update
+            if cfg.kafka.client == "confluent":
+                # librdkafka carries no member data: the other partitions' owners are read
+                # from their checkpoint claims (recmem/routing.py, docs/streams.md)
+                self.claimed = ClaimedOwners(
+                    self.owners, self.built.checkpoints(), partial(partition_count, kafka)
+                )
+                on_view = self.claimed.on_view
             self.ingest = KafkaIngest(
                 self.built.loop,
                 self.built.checkpoints(),
                 cfg,
                 on_ready=self.server.mark_ready,
                 owner=self.server.address,
-                on_view=self.owners.update,
-            )
-            kafka = dataclasses.replace(
-                cfg.kafka,
-                group_id=self.built.group_id,
-                metrics_port=0,  # served below instead
+                on_view=on_view,
             )
             member = Member(address=self.server.address, tag=self.built.model_version)
             self.consumer = make_consumer(kafka, self.ingest, metrics=self.metrics, member=member)
@@ -168,6 +175,8 @@ class RecMemService:
                 self._thread.join()
         if self.ingest is not None:
             self.ingest.close()
+        if self.claimed is not None:
+            self.claimed.close()
         if self.forwarder is not None:
             self.forwarder.close()
         self.built.close()
