@@ -127,9 +127,9 @@ class RankSources(Protocol):
     def route_many(
         self, requests: Sequence[tuple[str, torch.Tensor, int]]
     ) -> Sequence[Sequence[Events]]:
-        """Top ``n_notes`` notes (their events) for query features [Q, L, H, d] (the model's
-        ``route_features`` of the masked queries q~), in time order, for several (user,
-        features, n_notes) requests at once, answers in order."""
+        """Top ``n_notes`` notes (their events) for query features [Q, L, H, d] (the
+        model's ``route_features`` of the masked queries q~), in time order, for several
+        (user, features, n_notes) requests at once, answers in order."""
         ...
 
     def route_overlap_many(
@@ -137,9 +137,9 @@ class RankSources(Protocol):
         requests: Sequence[tuple[str, Mapping[int, float], Mapping[int, float], int]],
         item_cat: np.ndarray | None,
     ) -> Sequence[Sequence[Events]]:
-        """Top ``n_notes`` notes (their events) by item / category overlap (``archive.routing`` lexical or
-        candidates; recmem/archive/routing.py) for (user, item weights, category weights,
-        n_notes) requests, in time order."""
+        """Top ``n_notes`` notes (their events) by item / category overlap
+        (``archive.routing`` lexical or candidates; recmem/archive/routing.py) for (user,
+        item weights, category weights, n_notes) requests, in time order."""
         ...
 
 

@@ -46,7 +46,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -54,7 +54,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.client import GENERATION, OWNER, PARTITION, RETRY_PUSHBACK
-from recmem.config import Config
+from recmem.config import Config, ServerConfig
 from recmem.queries import RankQuery
 from recmem.server import packed
 from recmem.server.app import GrpcServer
@@ -66,18 +66,15 @@ from recmem.server.validation import InvalidRequest, to_queries
 log = logging.getLogger(__name__)
 
 IN_FLIGHT = 2
-"""Batches one front end has in flight to the engine process by default
-(``server.frontend_in_flight``)."""
+"""Batches one front end keeps in flight to the engine process by default
+(``server.frontend_in_flight``); Rank calls arriving meanwhile queue up for the next batch."""
 
 
-def frontend_window_ms(s: Any) -> float:
+def frontend_window_ms(s: ServerConfig) -> float:
     """A front end's batching window (``server.frontend_window_ms``; negative: the engine
     loop's ``server.batch_window_ms``)."""
     return float(s.batch_window_ms if s.frontend_window_ms < 0 else s.frontend_window_ms)
 
-
-"""RankBatch calls a front end keeps in flight to the engine process at once; Rank calls
-arriving meanwhile queue up for the next batch."""
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -111,7 +108,7 @@ class BatchWindow:
         self._expected = 1
 
     @classmethod
-    def from_config(cls, s: Any) -> BatchWindow:
+    def from_config(cls, s: ServerConfig) -> BatchWindow:
         """A front end's rule from ``[server]``: ``max_batch_requests``, the window
         (``frontend_window_ms``), ``adaptive_window``, ``frontend_in_flight``."""
         return cls(s.max_batch_requests, frontend_window_ms(s), s.adaptive_window,
@@ -207,7 +204,7 @@ class RankBatcher:
         described = self._packed.ready() if self._packed is not None and "" in groups else None
         if described is not None:
             jobs = [j for j in jobs if j[0] is not groups[""]]
-            good, bad = self._split(groups[""], described)
+            good, bad = split_valid(groups[""], described)
             if bad:  # the engine process answers (and counts) them as RankBatch does
                 jobs.append((bad, self._rank_batch("", bad)))
             if good:
@@ -261,20 +258,6 @@ class RankBatcher:
 
         return start, lambda response: list(response.results)
 
-    @staticmethod
-    def _split(
-        calls: list[_Call], described: EngineDescription
-    ) -> tuple[list[tuple[_Call, RankQuery]], list[_Call]]:
-        """The calls whose requests validate, with their queries, and the others."""
-        good, bad = [], []
-        queries = to_queries([c.request for c in calls], described.vocab, described.limits)
-        for c, q in zip(calls, queries, strict=True):
-            if isinstance(q, InvalidRequest):
-                bad.append(c)
-            else:
-                good.append((c, q))
-        return good, bad
-
     def _rank_packed(
         self, good: list[tuple[_Call, RankQuery]], described: EngineDescription
     ) -> tuple[_Start, _Answers]:
@@ -293,6 +276,31 @@ class RankBatcher:
             )
 
         return start, answers
+
+
+class _Requested(Protocol):
+    request: rank_pb2.RankRequest
+
+
+C = TypeVar("C", bound=_Requested)
+
+
+def split_valid(
+    calls: Sequence[C], described: EngineDescription
+) -> tuple[list[tuple[C, RankQuery]], list[C]]:
+    """Of queued ``calls`` (the threads' or the aio batcher's), those whose requests pass
+    the engine's own checks (``validation.to_queries`` against its vocabulary and limits),
+    with their queries, and the others (which go as RankBatch: the engine answers and
+    counts them)."""
+    good: list[tuple[C, RankQuery]] = []
+    bad: list[C] = []
+    queries = to_queries([c.request for c in calls], described.vocab, described.limits)
+    for c, q in zip(calls, queries, strict=True):
+        if isinstance(q, InvalidRequest):
+            bad.append(c)
+        else:
+            good.append((c, q))
+    return good, bad
 
 
 _Start = Callable[[float], grpc.Future]

@@ -44,11 +44,11 @@ from recmem.server.frontend import (
     PackedClient,
     channel_options,
     failure_trailing,
+    split_valid,
     status_code,
 )
 from recmem.server.packed import EngineDescription
 from recmem.server.routing import FORWARDED
-from recmem.server.validation import InvalidRequest, to_queries
 
 log = logging.getLogger(__name__)
 
@@ -180,18 +180,12 @@ class AioRankBatcher:
         requests that validate; the others, and forwarded ones, as RankBatch), each call
         answered; the batch's in-flight slot freed after its last group."""
         try:
-            local = self._packed is not None and not forwarded
-            described = await self._packed.ready_async() if local and self._packed else None
+            client = None if forwarded else self._packed
+            described = None if client is None else await client.ready_async()
             if described is None:
                 await self._answer(calls, self._via_rank_batch(calls, forwarded, timeout))
                 return
-            good, bad = [], []
-            queries = to_queries([c.request for c in calls], described.vocab, described.limits)
-            for c, q in zip(calls, queries, strict=True):
-                if isinstance(q, InvalidRequest):
-                    bad.append(c)  # the engine process answers (and counts) them as RankBatch
-                else:
-                    good.append((c, q))
+            good, bad = split_valid(calls, described)
             jobs = []
             if good:
                 sent = self._via_packed([q for _, q in good], described, timeout)

@@ -226,6 +226,7 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             raise self._failure(e) from None
         response = rank_pb2.RankResponse()
         self._fill(response, res)
+        self._count_many([res])
         return response
 
     def _failure(self, error: BaseException) -> RoutingFailure:
@@ -240,12 +241,9 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
         # logged by the engine loop; the client gets INTERNAL
         return _Failure(grpc.StatusCode.INTERNAL, "rank failed; see the server log")
 
-    def _count(self, res: RankResult) -> None:
-        """Count a result in the metrics (notes replayed, cold starts, replay cache hits)."""
-        self._count_many([res])
-
     def _count_many(self, results: Sequence[RankResult]) -> None:
-        """``_count`` of each result, one metric update per metric (not per result)."""
+        """Count results in the metrics (notes replayed, cold starts, replay cache hits):
+        one update per metric, not per result."""
         m = self._metrics
         if m is None or not results:
             return
@@ -261,11 +259,8 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             for name, n in collections.Counter(c.name for c in codes).items():
                 self._metrics.requests.labels(code=name).inc(n)
 
-    def _fill(self, response: rank_pb2.RankResponse, res: RankResult, count: bool = True) -> None:
-        """Write a result into an empty RankResponse (and, with ``count``, count it in the
-        metrics)."""
-        if count:
-            self._count(res)
+    def _fill(self, response: rank_pb2.RankResponse, res: RankResult) -> None:
+        """Write a result into an empty RankResponse."""
         fill_response(
             response,
             self._vocab.item_ids,
@@ -390,7 +385,7 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
                 codes.append(failure.code)
             else:
                 if isinstance(got, RankResult):
-                    self._fill(result.response, got, count=False)
+                    self._fill(result.response, got)
                 else:
                     assert got is not None
                     result.response.CopyFrom(got)
