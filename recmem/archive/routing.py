@@ -1,8 +1,9 @@
-"""How routed notes are chosen, as pure numpy functions over one request's candidate notes,
-shared by the served route (``NoteBank``) and offline replay-aware training and scoring
+"""How routed notes are chosen, as pure functions over one request's candidate notes (numpy)
+or a padded batch of requests (torch, ``route_cosines`` and ``vote_pick``), shared by the served route (``NoteBank``) and offline replay-aware training and scoring
 (offline_eval/replay_training.py), so both choose the same notes.
 
-- ``vote_rank`` (and ``vote_pick``, its loop-free form for the served route): the native rule (SPEC section 5): each channel votes for the note whose
+- ``vote_rank`` (and ``vote_pick``, its loop-free torch form for the served route, on the
+  rank device): the native rule (SPEC section 5): each channel votes for the note whose
   address is the most cosine-similar to any query position; notes ranked by votes, summed
   best cosine, recency (docs/archive.md, Route).
 - ``overlap_rank``: lexical (``archive.routing = lexical``: the notes sharing items or
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import torch
 
 from recmem.archive.index import masked_cosines
 
@@ -69,29 +71,51 @@ def vote_rank(
     return out, votes
 
 
+def route_cosines(unit: torch.Tensor, notes: torch.Tensor, open_: torch.Tensor) -> torch.Tensor:
+    """``masked_cosines`` of padded requests as torch computes them on any device: unit
+    query addresses ``unit`` [W, n, C, d] against unit note addresses ``notes`` [W, N, C, d]
+    whose open prefixes are ``open_`` [W, N, C] -> cosines [W, n, C, N] (0 where the query's
+    open prefix is zero). Float32 sums in torch's order, not faiss's: equal to the numpy
+    form within float rounding."""
+    W, n, C, _ = unit.shape
+    N = notes.shape[1]
+    raw = torch.matmul(unit.transpose(1, 2), notes.permute(0, 2, 3, 1))  # [W, C, n, N]
+    cum = torch.nn.functional.pad(unit.square().cumsum(-1), (1, 0)).sqrt()  # |u[:o]|
+    idx = open_.transpose(1, 2)[:, :, None, :].expand(W, C, n, N)
+    norm = torch.gather(cum.transpose(1, 2), -1, idx)  # [W, C, n, N]
+    cos = torch.where(norm > 1e-6, raw / norm.clamp_min(1e-6), 0.0)
+    return cos.transpose(1, 2)
+
+
 def vote_pick(
-    cos: np.ndarray,
-    live: np.ndarray,
-    rows: np.ndarray,
-    has_note: np.ndarray,
-    rs: np.ndarray,
+    cos: torch.Tensor,
+    live: torch.Tensor,
+    has_note: torch.Tensor,
+    rs: torch.Tensor,
     min_votes: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``vote_rank`` with the query positions of the W requests one after another, not
-    padded, and no loop over the requests: masked cosines ``cos`` [M, C, N] (``masked_cosines``)
-    and ``live`` [M, C] of the M query positions, ``rows`` [W] (each >= 1) of them per
-    request. Returns the notes ``vote_rank`` returns as a mask [W, N] (``np.nonzero`` of
-    it lists them request by request, chronologically), and the votes [W, N]."""
-    starts = np.cumsum(rows) - rows
-    owner = np.repeat(np.arange(len(rows)), rows)
-    cos = np.where(live[..., None] & has_note[owner][:, None, :], cos, -np.inf)
-    best = np.maximum.reduceat(cos, starts, axis=0)  # [W, C_ch, N]
-    voters = np.logical_or.reduceat(live, starts, axis=0)  # [W, C_ch]
-    order, votes = _vote_order(best, voters, has_note)
-    W, N = order.shape
-    rank = np.empty_like(order)  # each note's place in its request's ranking
-    np.put_along_axis(rank, order, np.broadcast_to(np.arange(N), (W, N)), axis=-1)
-    picked: np.ndarray = (rank < np.asarray(rs, dtype=np.int64)[:, None]) & has_note
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vote_rank`` in torch on padded tensors, with no loop over the requests (the served
+    route runs it on the rank device): masked cosines ``cos`` [W, n, C, N]
+    (``route_cosines``), ``live`` [W, n, C] (padding positions dead), ``has_note`` [W, N],
+    ``rs`` [W]. Returns the notes ``vote_rank`` returns as a mask [W, N] (``nonzero`` of it
+    lists them request by request, chronologically), and the votes [W, N]."""
+    W, _, _, N = cos.shape
+    dev = cos.device
+    mask = live[..., None] & has_note[:, None, None, :]
+    best = torch.where(mask, cos, -torch.inf).amax(dim=1)  # [W, C, N]: max over positions
+    voters = live.any(dim=1)  # [W, C]
+    winner = best.argmax(dim=-1)  # the first of equal maxima, as numpy's argmax
+    notes_ = torch.arange(N, device=dev)
+    votes = ((winner[..., None] == notes_) & voters[..., None]).sum(dim=1)
+    strength = torch.where(voters[..., None], best, 0.0).sum(dim=1)
+    votes = torch.where(has_note, votes, -1)  # padding ranks last
+    strength = torch.where(has_note, strength, -torch.inf)
+    # votes, then strength, then recency: stable sorts from the last key to the first
+    order = notes_.flip(0).expand(W, N)
+    order = order.gather(1, torch.argsort(-strength.gather(1, order), dim=1, stable=True))
+    order = order.gather(1, torch.argsort(-votes.gather(1, order), dim=1, stable=True))
+    rank = torch.empty_like(order).scatter_(1, order, notes_.expand(W, N))
+    picked = (rank < rs[:, None]) & has_note
     if min_votes > 0:
         picked &= votes >= min_votes
     return picked, votes

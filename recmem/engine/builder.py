@@ -166,7 +166,7 @@ def build_engine(
     mem = cfg.memory
     bank = NoteBank(
         cfg.archive, mem.key_dim, mem.n_layers * mem.n_heads, seed=cfg.train.seed,
-        use_gpu=use_gpu_index, query_dim=model.route_dim,
+        use_gpu=use_gpu_index, query_dim=model.route_dim, route_device=dev,
     )  # fmt: skip
     engine = Engine(model, vocab, store, cfg, bank=bank, model_version=model_version)
     if engine.compiles:

@@ -10,6 +10,7 @@ from recmem.config import ArchiveConfig
 
 L, H, K = 2, 2, 16
 CH = L * H
+CUDA = torch.cuda.is_available()
 
 
 def small_cfg(**kw) -> ArchiveConfig:
@@ -483,8 +484,12 @@ def _routed(answers):
     return [[(n.serial, n.votes) for n in notes] for notes in answers]
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device"))],
+)
 @pytest.mark.parametrize("seed", range(6))
-def test_route_many_equals_its_plain_reference_on_random_banks(seed):
+def test_route_many_equals_its_plain_reference_on_random_banks(seed, device):
     """The batched route (one faiss call over rows gathered from every user's index, the
     vote on unpadded rows) gives the notes, order and votes of ``route_many_plain`` (each
     request alone, its user's index searched): users with 0, 1 or many notes (some
@@ -523,6 +528,7 @@ def test_route_many_equals_its_plain_reference_on_random_banks(seed):
             q[:] = 0.0
         r = [None, 0, 1, 2, 3, 70][int(rng.integers(0, 6))]
         requests.append((user, torch.from_numpy(q) if rng.random() < 0.5 else q, r))
+    bank.route_device = torch.device(device)  # where the batched route computes
     got = bank.route_many(requests)
     want = bank.route_many_plain(requests)
     assert _routed(got) == _routed(want)

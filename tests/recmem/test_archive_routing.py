@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
+import torch
 
 from recmem.archive.index import masked_cosines
-from recmem.archive.routing import vote_pick, vote_rank
+from recmem.archive.routing import route_cosines, vote_pick, vote_rank
 
 
 def _cumsum_cosines(raw: np.ndarray, u: np.ndarray, open_: np.ndarray) -> np.ndarray:
@@ -31,10 +32,11 @@ def test_masked_cosines_equal_the_cumsum_form_bit_for_bit(seed):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_vote_pick_on_unpadded_rows_equals_vote_rank(seed):
+def test_vote_pick_on_padded_requests_equals_vote_rank(seed):
     """Inner products drawn from a few values (ties in votes and strength everywhere),
-    requests with 1..4 positions and 1..N notes, dead positions and channels, r from 0 to
-    past the note count, min_votes 0..2: the same notes and votes as vote_rank's loop."""
+    requests with 1..4 positions (the rest padding) and 1..N notes, dead positions and
+    channels, r from 0 to past the note count, min_votes 0..2: the torch vote picks the
+    same notes and counts the same votes as vote_rank's loop."""
     rng = np.random.default_rng(seed)
     W, n, C, N, d = 9, 4, 6, 7, 4
     rows = rng.integers(1, n + 1, size=W)
@@ -48,11 +50,40 @@ def test_vote_pick_on_unpadded_rows_equals_vote_rank(seed):
     sims[~has_note[:, None, None, :].repeat(n, 1).repeat(C, 2)] = -np.inf
     open_ = np.full((W, N, C), d)
     rs = rng.integers(0, N + 2, size=W)
+    cos = torch.from_numpy(masked_cosines(sims, unit, open_))
     for min_votes in (0, 1, 2):
         want, want_votes = vote_rank(sims, unit, open_, has_note, live, rs.tolist(), min_votes)
-        keep = np.arange(n)[None, :] < rows[:, None]  # each request's positions, in order
-        cos = masked_cosines(sims[keep][:, None], unit[keep][:, None], open_.repeat(rows, 0))
-        picked, votes = vote_pick(cos[:, 0], live[keep], rows, has_note, rs, min_votes)
-        assert [np.flatnonzero(p).tolist() for p in picked] == [w.tolist() for w in want]
-        assert np.array_equal(votes, want_votes)
+        picked, votes = vote_pick(
+            cos, torch.from_numpy(live), torch.from_numpy(has_note), torch.from_numpy(rs),
+            min_votes,
+        )  # fmt: skip
+        assert [np.flatnonzero(p).tolist() for p in picked.numpy()] == [w.tolist() for w in want]
+        assert np.array_equal(votes.numpy(), want_votes)
         assert sum(len(w) for w in want) > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_route_cosines_equal_masked_cosines_of_the_inner_products(seed):
+    """route_cosines (one batched matmul, torch's float32 sums) against masked_cosines of
+    the inner products numpy computes: equal within float rounding, zero and partly open
+    notes and zero query rows included, and the same notes routed."""
+    rng = np.random.default_rng(seed)
+    W, n, C, N, d = 5, 8, 4, 11, 32
+    unit = rng.normal(size=(W, n, C, d)).astype(np.float32)
+    unit[rng.random((W, n, C)) < 0.2] = 0.0
+    unit /= np.maximum(np.linalg.norm(unit, axis=-1, keepdims=True), 1e-12)
+    notes = rng.normal(size=(W, N, C, d)).astype(np.float32)
+    open_ = rng.choice([0, 8, 16, 32], size=(W, N, C))
+    notes[np.arange(d) >= open_[..., None]] = 0.0
+    notes /= np.maximum(np.linalg.norm(notes, axis=-1, keepdims=True), 1e-12)
+    sims = np.einsum("wmcd,wncd->wmcn", unit, notes)
+    want = masked_cosines(sims, unit, open_)
+    got = route_cosines(torch.from_numpy(unit), torch.from_numpy(notes), torch.from_numpy(open_))
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+    live = np.linalg.norm(unit, axis=-1) > 0
+    has_note = np.ones((W, N), dtype=bool)
+    rs = np.full(W, 3)
+    picks, _ = vote_rank(sims, unit, open_, has_note, live, rs.tolist(), 0)
+    picked, _ = vote_pick(got, torch.from_numpy(live), torch.from_numpy(has_note),
+                          torch.from_numpy(rs), 0)  # fmt: skip
+    assert [np.flatnonzero(p).tolist() for p in picked.numpy()] == [p.tolist() for p in picks]
