@@ -251,6 +251,12 @@ class ArchiveConfig:
     cosine, filled up with unvoted notes; m >= 1: only notes at least m channels voted
     for, so a query may get fewer than R notes or none). 0 on ML-100K VALID: larger m only
     replays fewer queries, and the loss per replayed query grows."""
+    route_device: str = "cpu"
+    """Where the rank step's batched native route computes its cosines and vote
+    (recmem/archive/routing.py ``route_cosines``, ``vote_pick``, torch): cpu | rank = the
+    rank device (CUDA when the service ranks on a GPU). The same notes either way; cpu by
+    default because on the H200 the GPU route did not make the rank step faster at ~20
+    notes per user (bench/results/README.md, "Route on the rank device")."""
 
 
 @dataclass

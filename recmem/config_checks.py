@@ -123,6 +123,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.loss": ("full", "sampled"),
     "eval.exclude_seen": ("auto", "yes", "no"),
     "archive.routing": ("native", "lexical", "candidates"),
+    "archive.route_device": ("cpu", "rank"),
     "state.length_buckets": ("auto", "on", "off"),
     "state.packed_advance": ("auto", "on", "off"),
     "state.compile_step": ("auto", "on", "off"),

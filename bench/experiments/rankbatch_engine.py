@@ -4,7 +4,7 @@ called in process (no gRPC, no front end) on the engine ``bench/bench_rank.py``'
 
     .venv/bin/python bench/experiments/rankbatch_engine.py [--root NAME=DIR ...]
         [--path rankbatch,packed] [--batch 32,64] [--replay 0,2] [--seconds 3] [--rounds 2]
-        [--users 256] [--events 100] [--items 3706] [--json PATH]
+        [--users 256] [--events 100] [--items 3706] [--tree-set NAME:S.F=V ...] [--json PATH]
 
 This tree (as ``new``) and each ``--root NAME=DIR`` get a worker process with
 ``PYTHONPATH=DIR`` that builds the stack from DIR's code (CPU, one torch thread, as
@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     ns = argparse.Namespace(
         users=args.users, events=args.events, items=args.items, device=args.device,
         threads=1 if args.device == "cpu" else 0,
-        spill_dir=tempfile.mkdtemp(prefix="rankbatch-engine-"), set=[],
+        spill_dir=tempfile.mkdtemp(prefix="rankbatch-engine-"), set=list(args.set or []),
     )  # fmt: skip
     t0 = time.perf_counter()
     made = build_memory_stack(ns)
@@ -211,7 +211,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--root-commit", action="append", default=[],
                     help="NAME=SHA: a tree's commit (a git archive has no .git)")  # fmt: skip
+    ap.add_argument("--tree-set", action="append", default=[],
+                    help="NAME:SECTION.FIELD=VALUE: a configuration override of one tree "
+                    "(repeatable; a tree may be given twice under two names)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-root", dest="root_dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -233,6 +237,10 @@ def main() -> None:
         cmd = [sys.executable, str(HERE), "--worker", "--worker-root", root,
                "--users", str(args.users), "--events", str(args.events),
                "--items", str(args.items), "--device", args.device]  # fmt: skip
+        for t in args.tree_set:
+            tree, _, kv = t.partition(":")
+            if tree == name:
+                cmd += ["--set", kv]
         p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)  # fmt: skip
         assert p.stdout is not None
@@ -300,6 +308,7 @@ def main() -> None:
             "users": args.users,
             "events": args.events,
             "items": args.items,
+            "tree_set": args.tree_set,
             "candidates": N_CANDIDATES,
             "k": K,
         },  # fmt: skip

@@ -12,10 +12,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from recmem.archive.index import GPU_MAX_K, UserAddressIndex, gpu_resources
+from recmem.archive.index import (
+    GPU_MAX_K,
+    UserAddressIndex,
+    gpu_resources,
+    inner_products_by_rows,
+    masked_cosines,
+)
 from recmem.archive.open_chunks import INT_FIELDS, EventColumns, OpenChunks
 from recmem.archive.persist import pack_users, unpack_users
-from recmem.archive.routing import overlap_rank, route_cosines, vote_pick, vote_rank
+from recmem.archive.routing import (
+    overlap_rank,
+    route_cosines,
+    vote_pick,
+    vote_pick_padded,
+    vote_rank,
+)
 from recmem.archive.selection import (
     address_coords,
     distinctiveness,
@@ -155,7 +167,8 @@ class NoteBank:
     row-major flattening of the model's [L, H] axes). ``seed`` fixes the coordinate
     selection P (stored in the state and checked on load). ``use_gpu``: None = a GPU index
     when faiss has GPU support and sees a device. ``route_device``: where the batched route
-    (``route_many``) computes its cosines and vote (the rank device; the CPU by default).
+    (``route_many``) computes its cosines and vote: None = numpy and faiss on the CPU (the
+    default), a torch device = torch there (``archive.route_device = rank``).
     All methods are thread-safe.
     """
 
@@ -168,10 +181,10 @@ class NoteBank:
         *,
         use_gpu: bool | None = None,
         query_dim: int | None = None,
-        route_device: torch.device | str = "cpu",
+        route_device: torch.device | str | None = None,
     ) -> None:
         check_archive_config(cfg)
-        self.route_device = torch.device(route_device)
+        self.route_device = None if route_device is None else torch.device(route_device)
         if key_dim < 1 or n_channels < 1:
             raise ValueError("key_dim and n_channels must be >= 1")
         self.cfg = cfg
@@ -499,8 +512,8 @@ class NoteBank:
         """``route`` for several (user, q~, r) requests at once (a rank micro-batch), the
         same notes as ``route_many_plain`` gives: the queries leave their device in one
         piece, and every request's cosines with its user's notes (read from that user's
-        index, never another's) and the vote of all requests are one torch computation
-        over the padded batch on ``route_device`` (``_route_rows``). ``votes``
+        index, never another's) and the vote of all requests are one computation over the
+        batch, on ``route_device`` (``_route_rows``). ``votes``
         False: the stored notes themselves, not a copy of each with its ``votes`` set (the
         rank step reads only their events; the route of a GPU index sets them still)."""
         if self._gpu is not None:  # a GPU index's rows cannot be read off the host
@@ -618,10 +631,10 @@ class NoteBank:
         votes: bool = True,
     ) -> list[list[Note]]:
         """``route_addresses`` for many requests, query addresses ``rows`` [sum lens, C_ch,
-        d_rho] request after request (``lens`` [U] positions each): the requests' query rows
-        and their users' notes (rows read from the users' indexes) padded into one batch,
-        whose cosines (``route_cosines``) and vote (``vote_pick``) run in torch on
-        ``route_device``; one copy of the picks comes back."""
+        d_rho] request after request (``lens`` [U] positions each), scored against their
+        users' notes (rows read in place from the users' indexes) and voted on at once: in
+        numpy on the CPU (``_vote_rows``), or in torch on ``route_device`` when one is set
+        (``_vote_padded``)."""
         ch, d = self.n_channels, len(self.coords)
         U = len(user_ids)
         out: list[list[Note]] = [[] for _ in range(U)]
@@ -655,44 +668,106 @@ class NoteBank:
                 notes.append(list(ua.notes))
             if not todo:
                 return out
-            W = len(todo)
             counts = np.array([len(x) for x in notes], dtype=np.int64)  # notes per request
-            N = int(counts.max())
-            # each request's notes [W, N, C_ch, d] and open prefixes, padded; copied while
-            # the index views are valid
-            note_pad = np.zeros((W, N, ch, d), dtype=np.float32)
-            open_ = np.zeros((W, N, ch), dtype=np.int64)
-            for w, (got, op) in enumerate(zip(stored, opened, strict=True)):
-                note_pad[w, : len(op)] = got.reshape(-1, ch, d)
-                open_[w, : len(op)] = op
-        # each request's query rows [W, n, C_ch, d], padded with zero rows
+            if self.route_device is None:
+                note_rows = np.concatenate(stored)  # copied while the views are valid
+            else:
+                pad = self._pad_notes(stored, opened, counts)
+        if self.route_device is None:
+            picked, counted = self._vote_rows(unit, live, lens, starts, todo, note_rows, opened,
+                                              counts, rs_)  # fmt: skip
+        else:
+            picked, counted = self._vote_padded(unit, lens, starts, todo, *pad, counts, rs_)
+        ws, ks = np.nonzero(picked)  # request by request, chronological
+        if not votes:
+            for w, k in zip(ws.tolist(), ks.tolist(), strict=True):
+                out[todo[w]].append(notes[w][k])
+            return out
+        for w, k, v in zip(ws.tolist(), ks.tolist(), counted[ws, ks].tolist(), strict=True):
+            out[todo[w]].append(with_votes(notes[w][k], v))
+        return out
+
+    def _vote_rows(
+        self,
+        unit: np.ndarray,
+        live: np.ndarray,
+        lens: np.ndarray,
+        starts: np.ndarray,
+        todo: list[int],
+        note_rows: np.ndarray,
+        opened: list[np.ndarray],
+        counts: np.ndarray,
+        rs_: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The vote of ``_route_rows`` on the CPU (numpy): one faiss call scores every query
+        row of the ``todo`` requests against its user's notes (``note_rows``, the users' rows
+        one after another, labels per request); ``vote_pick`` runs on those rows unpadded."""
+        ch, d = self.n_channels, len(self.coords)
+        W, N = len(todo), int(counts.max())
+        n_w = lens[todo]
+        # the query rows of each request, and which request and position each is
+        q_rows = ragged_arange(starts[todo], n_w)
+        w_of = np.repeat(np.arange(W), n_w)
+        # labels: query row (tau, c) of request w meets row off_w + i * C_ch + c of its
+        # user's note i (-1 past the user's notes)
+        off = np.cumsum(counts * ch) - counts * ch
+        note_i = np.arange(N)
+        labels = off[w_of][:, None, None] + note_i * ch + np.arange(ch)[:, None]
+        labels = np.where(note_i < counts[w_of][:, None, None], labels, -1)  # [Mw, C_ch, N]
+        raw = inner_products_by_rows(unit[q_rows].reshape(-1, d), note_rows, labels.reshape(-1, N))
+        has_note = note_i[None, :] < counts[:, None]
+        open_ = np.zeros((W, N, ch), dtype=np.int64)
+        open_[has_note] = np.concatenate(opened)
+        cos = masked_cosines(raw.reshape(-1, 1, ch, N), unit[q_rows, None], open_[w_of])
+        return vote_pick(cos[:, 0], live[q_rows], n_w, has_note, rs_[todo], self.cfg.min_votes)
+
+    def _pad_notes(
+        self, stored: list[np.ndarray], opened: list[np.ndarray], counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each request's notes [W, N, C_ch, d] and open prefixes [W, N, C_ch], padded."""
+        ch, d = self.n_channels, len(self.coords)
+        W, N = len(stored), int(counts.max())
+        note_pad = np.zeros((W, N, ch, d), dtype=np.float32)
+        open_ = np.zeros((W, N, ch), dtype=np.int64)
+        for w, (got, op) in enumerate(zip(stored, opened, strict=True)):
+            note_pad[w, : len(op)] = got.reshape(-1, ch, d)
+            open_[w, : len(op)] = op
+        return note_pad, open_
+
+    def _vote_padded(
+        self,
+        unit: np.ndarray,
+        lens: np.ndarray,
+        starts: np.ndarray,
+        todo: list[int],
+        note_pad: np.ndarray,
+        open_: np.ndarray,
+        counts: np.ndarray,
+        rs_: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The vote of ``_route_rows`` on ``route_device`` (torch): the requests padded,
+        ``route_cosines`` and ``vote_pick_padded`` there, three copies in and one out."""
+        ch, d = self.n_channels, len(self.coords)
+        W, N = note_pad.shape[:2]
         n_w = lens[todo]
         n = int(n_w.max())
         q_rows = ragged_arange(starts[todo], n_w)
         if bool((n_w == n).all()):
             q = unit[q_rows].reshape(W, n, ch, d)
-        else:
+        else:  # padded with zero rows
             q = np.zeros((W, n, ch, d), dtype=np.float32)
             q[np.arange(n)[None, :] < n_w[:, None]] = unit[q_rows]
-        # to the route device in three copies; the masks are made there
         dev = self.route_device
+        assert dev is not None
         ints = _on(np.concatenate([open_.reshape(-1), counts, rs_[todo]]), dev)
         open_d, counts_d, rs_d = ints.split([open_.size, W, W])
         q_d = _on(q, dev)
         live_d = (q_d != 0).any(dim=-1)  # unit rows: nonzero exactly where live
         has_note_d = torch.arange(N, device=dev)[None, :] < counts_d[:, None]
         cos = route_cosines(q_d, _on(note_pad, dev), open_d.view(W, N, ch))
-        picked_t, votes_t = vote_pick(cos, live_d, has_note_d, rs_d, self.cfg.min_votes)
-        picked = picked_t.cpu().numpy()
-        ws, ks = np.nonzero(picked)  # request by request, chronological
-        if not votes:
-            for w, k in zip(ws.tolist(), ks.tolist(), strict=True):
-                out[todo[w]].append(notes[w][k])
-            return out
-        counted = votes_t.cpu().numpy()
-        for w, k, v in zip(ws.tolist(), ks.tolist(), counted[ws, ks].tolist(), strict=True):
-            out[todo[w]].append(with_votes(notes[w][k], v))
-        return out
+        picked, votes = vote_pick_padded(cos, live_d, has_note_d, rs_d, self.cfg.min_votes)
+        both = torch.stack([picked.long(), votes]).cpu().numpy()  # one copy back
+        return both[0].astype(bool), both[1]
 
     def route_overlap_many(
         self,

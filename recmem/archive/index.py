@@ -176,3 +176,25 @@ class UserAddressIndex:
         channel = np.tile(np.arange(ch), n)
         cols = np.arange(0, total, ch)[None, :] + channel[:, None]
         return np.take_along_axis(full, cols, axis=1).reshape(n, ch, total // ch)
+
+
+def inner_products_by_rows(queries: np.ndarray, rows: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """queries [m, d] . rows[labels[i, j]] for labels [m, k] (-inf where a label is < 0):
+    the faiss routine ``compute_distance_subset`` runs for a CPU index (so the same float32
+    values), over rows [r, d] gathered from several users' indexes, in one call."""
+    m, k = labels.shape
+    out = np.empty((m, k), dtype=np.float32)
+    if m == 0 or k == 0:
+        return out
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    y = np.ascontiguousarray(rows, dtype=np.float32)
+    ids = np.ascontiguousarray(labels, dtype=np.int64)
+    if len(y) == 0:  # every label is < 0
+        out.fill(-np.inf)
+        return out
+    faiss.omp_set_num_threads(1)  # as in UserAddressIndex._inner_products
+    faiss.fvec_inner_products_by_idx(  # type: ignore[attr-defined]  # not in faiss's stubs
+        faiss.swig_ptr(out), faiss.swig_ptr(q), faiss.swig_ptr(y), faiss.swig_ptr(ids),
+        q.shape[1], m, k,
+    )  # fmt: skip
+    return out

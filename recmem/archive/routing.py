@@ -1,9 +1,11 @@
 """How routed notes are chosen, as pure functions over one request's candidate notes (numpy)
-or a padded batch of requests (torch, ``route_cosines`` and ``vote_pick``), shared by the served route (``NoteBank``) and offline replay-aware training and scoring
-(offline_eval/replay_training.py), so both choose the same notes.
+or a batch of requests (numpy, or torch on padded requests: ``route_cosines``,
+``vote_pick_padded``), shared by the served route (``NoteBank``) and offline replay-aware
+training and scoring (offline_eval/replay_training.py), so both choose the same notes.
 
-- ``vote_rank`` (and ``vote_pick``, its loop-free torch form for the served route, on the
-  rank device): the native rule (SPEC section 5): each channel votes for the note whose
+- ``vote_rank`` (and its loop-free forms for the served route: ``vote_pick`` in numpy on
+  the requests' rows one after another, ``vote_pick_padded`` in torch on padded requests,
+  for ``archive.route_device = rank``): the native rule (SPEC section 5): each channel votes for the note whose
   address is the most cosine-similar to any query position; notes ranked by votes, summed
   best cosine, recency (docs/archive.md, Route).
 - ``overlap_rank``: lexical (``archive.routing = lexical``: the notes sharing items or
@@ -71,6 +73,34 @@ def vote_rank(
     return out, votes
 
 
+def vote_pick(
+    cos: np.ndarray,
+    live: np.ndarray,
+    rows: np.ndarray,
+    has_note: np.ndarray,
+    rs: np.ndarray,
+    min_votes: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``vote_rank`` with the query positions of the W requests one after another, not
+    padded, and no loop over the requests: masked cosines ``cos`` [M, C, N] (``masked_cosines``)
+    and ``live`` [M, C] of the M query positions, ``rows`` [W] (each >= 1) of them per
+    request. Returns the notes ``vote_rank`` returns as a mask [W, N] (``np.nonzero`` of
+    it lists them request by request, chronologically), and the votes [W, N]."""
+    starts = np.cumsum(rows) - rows
+    owner = np.repeat(np.arange(len(rows)), rows)
+    cos = np.where(live[..., None] & has_note[owner][:, None, :], cos, -np.inf)
+    best = np.maximum.reduceat(cos, starts, axis=0)  # [W, C_ch, N]
+    voters = np.logical_or.reduceat(live, starts, axis=0)  # [W, C_ch]
+    order, votes = _vote_order(best, voters, has_note)
+    W, N = order.shape
+    rank = np.empty_like(order)  # each note's place in its request's ranking
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(N), (W, N)), axis=-1)
+    picked: np.ndarray = (rank < np.asarray(rs, dtype=np.int64)[:, None]) & has_note
+    if min_votes > 0:
+        picked &= votes >= min_votes
+    return picked, votes
+
+
 def route_cosines(unit: torch.Tensor, notes: torch.Tensor, open_: torch.Tensor) -> torch.Tensor:
     """``masked_cosines`` of padded requests as torch computes them on any device: unit
     query addresses ``unit`` [W, n, C, d] against unit note addresses ``notes`` [W, N, C, d]
@@ -87,7 +117,7 @@ def route_cosines(unit: torch.Tensor, notes: torch.Tensor, open_: torch.Tensor) 
     return cos.transpose(1, 2)
 
 
-def vote_pick(
+def vote_pick_padded(
     cos: torch.Tensor,
     live: torch.Tensor,
     has_note: torch.Tensor,
@@ -95,7 +125,7 @@ def vote_pick(
     min_votes: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``vote_rank`` in torch on padded tensors, with no loop over the requests (the served
-    route runs it on the rank device): masked cosines ``cos`` [W, n, C, N]
+    route on the rank device, ``archive.route_device = rank``): masked cosines ``cos`` [W, n, C, N]
     (``route_cosines``), ``live`` [W, n, C] (padding positions dead), ``has_note`` [W, N],
     ``rs`` [W]. Returns the notes ``vote_rank`` returns as a mask [W, N] (``nonzero`` of it
     lists them request by request, chronologically), and the votes [W, N]."""

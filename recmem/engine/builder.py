@@ -166,7 +166,8 @@ def build_engine(
     mem = cfg.memory
     bank = NoteBank(
         cfg.archive, mem.key_dim, mem.n_layers * mem.n_heads, seed=cfg.train.seed,
-        use_gpu=use_gpu_index, query_dim=model.route_dim, route_device=dev,
+        use_gpu=use_gpu_index, query_dim=model.route_dim,
+        route_device=dev if cfg.archive.route_device == "rank" else None,
     )  # fmt: skip
     engine = Engine(model, vocab, store, cfg, bank=bank, model_version=model_version)
     if engine.compiles:

@@ -486,7 +486,11 @@ def _routed(answers):
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device"))],
+    [
+        None,  # numpy and faiss
+        "cpu",  # torch
+        pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device")),
+    ],
 )
 @pytest.mark.parametrize("seed", range(6))
 def test_route_many_equals_its_plain_reference_on_random_banks(seed, device):
@@ -528,7 +532,7 @@ def test_route_many_equals_its_plain_reference_on_random_banks(seed, device):
             q[:] = 0.0
         r = [None, 0, 1, 2, 3, 70][int(rng.integers(0, 6))]
         requests.append((user, torch.from_numpy(q) if rng.random() < 0.5 else q, r))
-    bank.route_device = torch.device(device)  # where the batched route computes
+    bank.route_device = None if device is None else torch.device(device)
     got = bank.route_many(requests)
     want = bank.route_many_plain(requests)
     assert _routed(got) == _routed(want)

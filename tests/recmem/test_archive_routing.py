@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from recmem.archive.index import masked_cosines
-from recmem.archive.routing import route_cosines, vote_pick, vote_rank
+from recmem.archive.routing import route_cosines, vote_pick, vote_pick_padded, vote_rank
 
 
 def _cumsum_cosines(raw: np.ndarray, u: np.ndarray, open_: np.ndarray) -> np.ndarray:
@@ -32,7 +32,35 @@ def test_masked_cosines_equal_the_cumsum_form_bit_for_bit(seed):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_vote_pick_on_padded_requests_equals_vote_rank(seed):
+def test_vote_pick_on_unpadded_rows_equals_vote_rank(seed):
+    """Inner products drawn from a few values (ties in votes and strength everywhere),
+    requests with 1..4 positions and 1..N notes, dead positions and channels, r from 0 to
+    past the note count, min_votes 0..2: the same notes and votes as vote_rank's loop."""
+    rng = np.random.default_rng(seed)
+    W, n, C, N, d = 9, 4, 6, 7, 4
+    rows = rng.integers(1, n + 1, size=W)
+    counts = rng.integers(1, N + 1, size=W)
+    has_note = np.arange(N)[None, :] < counts[:, None]
+    unit = np.zeros((W, n, C, d), dtype=np.float32)
+    unit[..., 0] = 1.0
+    live = (rng.random((W, n, C)) < 0.8) & (np.arange(n)[None, :, None] < rows[:, None, None])
+    unit[~live] = 0.0
+    sims = rng.choice([-0.5, 0.0, 0.5, 1.0], size=(W, n, C, N)).astype(np.float32)
+    sims[~has_note[:, None, None, :].repeat(n, 1).repeat(C, 2)] = -np.inf
+    open_ = np.full((W, N, C), d)
+    rs = rng.integers(0, N + 2, size=W)
+    for min_votes in (0, 1, 2):
+        want, want_votes = vote_rank(sims, unit, open_, has_note, live, rs.tolist(), min_votes)
+        keep = np.arange(n)[None, :] < rows[:, None]  # each request's positions, in order
+        cos = masked_cosines(sims[keep][:, None], unit[keep][:, None], open_.repeat(rows, 0))
+        picked, votes = vote_pick(cos[:, 0], live[keep], rows, has_note, rs, min_votes)
+        assert [np.flatnonzero(p).tolist() for p in picked] == [w.tolist() for w in want]
+        assert np.array_equal(votes, want_votes)
+        assert sum(len(w) for w in want) > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_vote_pick_padded_equals_vote_rank(seed):
     """Inner products drawn from a few values (ties in votes and strength everywhere),
     requests with 1..4 positions (the rest padding) and 1..N notes, dead positions and
     channels, r from 0 to past the note count, min_votes 0..2: the torch vote picks the
@@ -53,7 +81,7 @@ def test_vote_pick_on_padded_requests_equals_vote_rank(seed):
     cos = torch.from_numpy(masked_cosines(sims, unit, open_))
     for min_votes in (0, 1, 2):
         want, want_votes = vote_rank(sims, unit, open_, has_note, live, rs.tolist(), min_votes)
-        picked, votes = vote_pick(
+        picked, votes = vote_pick_padded(
             cos, torch.from_numpy(live), torch.from_numpy(has_note), torch.from_numpy(rs),
             min_votes,
         )  # fmt: skip
@@ -84,6 +112,6 @@ def test_route_cosines_equal_masked_cosines_of_the_inner_products(seed):
     has_note = np.ones((W, N), dtype=bool)
     rs = np.full(W, 3)
     picks, _ = vote_rank(sims, unit, open_, has_note, live, rs.tolist(), 0)
-    picked, _ = vote_pick(got, torch.from_numpy(live), torch.from_numpy(has_note),
+    picked, _ = vote_pick_padded(got, torch.from_numpy(live), torch.from_numpy(has_note),
                           torch.from_numpy(rs), 0)  # fmt: skip
     assert [np.flatnonzero(p).tolist() for p in picked.numpy()] == [p.tolist() for p in picks]
