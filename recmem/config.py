@@ -254,9 +254,11 @@ class ArchiveConfig:
     route_device: str = "cpu"
     """Where the rank step's batched native route computes its cosines and vote
     (recmem/archive/routing.py ``route_cosines``, ``vote_pick``, torch): cpu | rank = the
-    rank device (CUDA when the service ranks on a GPU). The same notes either way; cpu by
-    default because on the H200 the GPU route did not make the rank step faster at ~20
-    notes per user (bench/results/README.md, "Route on the rank device")."""
+    rank device (CUDA when the service ranks on a GPU). The same notes either way. On the
+    H200 rank cut the engine's CPU per replay request by about a fifth at ~60 notes per
+    user, was within noise at ~20 and cost 4-10 % at ~6 (bench/results/README.md, "Route
+    on the rank device"), so cpu (numpy and faiss) stays the default; set rank for users
+    with long histories."""
 
 
 @dataclass

@@ -3,7 +3,8 @@
 # against the same torch route on the CPU (the default) and against the numpy route of the
 # tree in .gpu/old (a `git archive` of de12611, before the torch route), on a lent H200, in
 # one detached run (bench/gpu_detached.sh):
-#   bash bench/gpu_detached.sh start 'EVENTS="100 300 1000" bash bench/experiments/gpu_route_device.sh'
+#   bash bench/gpu_detached.sh start 'GIT_COMMIT=<sha> EVENTS="100 300 1000" bash bench/experiments/gpu_route_device.sh'
+# (the commit written literally: the device's copy of .git may be stale)
 #   bash bench/gpu_detached.sh wait 560
 # 1. the route tests on CUDA (tests/recmem/test_archive_bank.py, test_archive_routing.py);
 # 2. per EVENTS (mean events per user: more notes per user), engine CPU per RankBatch request
@@ -17,7 +18,7 @@ set -u
 OUT=${OUT:?set OUT}
 . bench/gpu_site.sh || exit 1
 NEW=$PWD OLD=$PWD/.gpu/old GPU_SET=archive.route_device=rank
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
 export PYTHONPATH=$S:$NEW
 python3 -m pytest -q -p no:cacheprovider tests/recmem/test_archive_bank.py \
   tests/recmem/test_archive_routing.py >"$OUT/tests_cuda.log" 2>&1

@@ -40,3 +40,17 @@ def test_group_id_names_the_served_model_version(tmp_path: Path) -> None:
             built.close()
     # other weights, another version: the two models never share a consumer group
     assert groups[0] != groups[1]
+
+
+def test_route_device_puts_the_batched_route_on_the_rank_device(tmp_path: Path) -> None:
+    """archive.route_device: cpu (default) = the numpy route (no torch device on the bank);
+    rank = the torch route on the engine's device."""
+    for setting, want in (("cpu", None), ("rank", torch.device("cpu"))):
+        cfg = config_with_model(tmp_path, 0)
+        cfg.archive.route_device = setting
+        built = build_engine(cfg, device="cpu")
+        try:
+            bank = built.engine.bank
+            assert bank is not None and bank.route_device == want
+        finally:
+            built.close()
