@@ -7,7 +7,8 @@
 # comma-free count or list as host_members' --members takes, with ';' for ','). Carried:
 # .gpu/rank, .gpu/whl, .gpu/bin (bench/gpu_site.sh). Sizes (env): EVENTS (600,000 of the
 # 10M-event workload), PARTITIONS (16), REPLAY (0), RANK_S (3), CLIENT_PROCS (4), VARIANT_S
-# (300: the bound of each variant). Output: $OUT/host_members_h200_<name>.json and .log.
+# (300: the bound of each variant). Output: $OUT/host_members_h200_<name>.json and .log, the
+# members' logs under $OUT/logs-<name>/ (their error lines and GPU memory also in the JSON).
 set -u
 OUT=${OUT:?set OUT to the output folder}
 VARIANTS=${VARIANTS:?set VARIANTS}
@@ -23,7 +24,8 @@ for v in $VARIANTS; do
     --events "${EVENTS:-600000}" --partitions "${PARTITIONS:-16}" --concurrency 64 \
     --replay "${REPLAY:-0}" --rank-seconds "${RANK_S:-3}" --client-procs "${CLIENT_PROCS:-4}" \
     --set kafka.broker_bin_dir=.gpu/bin "${sets[@]}" \
-    --json "$OUT/host_members_h200_$name.json" >"$OUT/host_$name.log" 2>&1
+    --keep-logs "$OUT/logs-$name" --json "$OUT/host_members_h200_$name.json" \
+    >"$OUT/host_$name.log" 2>&1
   echo "$name: exit $?"; grep -E '^\[' "$OUT/host_$name.log" | cut -c1-400 | tail -n 6
   grep -E 'Error|Traceback' "$OUT/host_$name.log" | tail -n 5
 done

@@ -53,6 +53,7 @@ import math
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -92,6 +93,40 @@ def applied(ports: list[int]) -> int | None:
             if line.startswith("recmem_ingest_events_total "):
                 total += float(line.split()[1])
     return int(total)
+
+
+def gpu_memory_by_pid(cluster: Any) -> dict[str, int]:
+    """GPU memory (MiB) each live member process holds, from nvidia-smi ({} without one)."""
+    pids = {inst.proc.pid: i for i, inst in enumerate(cluster.instances) if inst.proc}
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    got = {}
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and int(pid) in pids:
+            got[f"member {pids[int(pid)]}"] = int(mib.strip() or 0)
+    return got
+
+
+def member_log_errors(cluster: Any, most: int = 12) -> list[str]:
+    """The first error lines of the members' logs (tracebacks' last lines, ERROR records)."""
+    found: list[str] = []
+    for i, inst in enumerate(cluster.instances):
+        lines = inst.log().splitlines()
+        for j, line in enumerate(lines):
+            if " ERROR " in line or "Error:" in line or "error:" in line.lower()[:60]:
+                found.append(f"serve {i}: {line[:300]}")
+            elif line.startswith("Traceback") and j + 1 < len(lines):
+                tail = next((x for x in lines[j + 1 :] if x and not x.startswith(" ")), "")
+                found.append(f"serve {i}: {tail[:300]}")
+            if len(found) >= most:
+                return found
+    return found
 
 
 def ingest_pass(cluster: Any, cfg: Any, n_events: int, ends: dict[int, int]) -> dict[str, Any]:
@@ -276,6 +311,11 @@ def main() -> None:
         help="comma-separated kafka.client values, each run over every N of --members "
         "(e.g. kafka-python,confluent; default: the configured one only)",
     )
+    ap.add_argument(
+        "--keep-logs",
+        default="",
+        help="folder to copy each run's member logs into (DIR/<run>/serve-N.log)",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -391,7 +431,15 @@ def main() -> None:
                     log.exception("members=%d failed", m)
                     run["error"] = f"{type(e).__name__}: {e}"
                 finally:
+                    run["gpu_memory_mib"] = gpu_memory_by_pid(cluster)
                     cluster.close()
+                    run["member_log_errors"] = member_log_errors(cluster)
+                    if args.keep_logs:
+                        keep = Path(args.keep_logs) / key.replace("/", "-")
+                        keep.mkdir(parents=True, exist_ok=True)
+                        for inst in cluster.instances:
+                            if inst.log_path.exists():
+                                shutil.copy(inst.log_path, keep / inst.log_path.name)
                     shutil.rmtree(c.checkpoint.dir, ignore_errors=True)
                     shutil.rmtree(work / f"cluster-{m}", ignore_errors=True)
             runs = result["runs"]
