@@ -142,6 +142,13 @@ class StateConfig:
     """Engine step: on = run a micro-batch's users in power-of-two length buckets (one memory
     update per bucket) so that padding stays under 2x the events; off = one update for the
     batch; auto = on for the CPU path, off on the GPU (its varlen kernels skip padding)."""
+    piece_cells: int = 0
+    """Engine step on the padded path (``advance`` per piece: the GPU by default): cut a
+    batch's users, longest first, into pieces of at most this many padded cells (users x
+    the piece's longest pending length; a piece takes one user at least). Bounds the step's
+    activation memory, which the caching allocator keeps: on a Zipf workload one long user
+    pads a 4,096-event batch to 1-2 M cells. 0 = no cap (one piece, the slab's size at
+    most). The packed step (no padding) ignores it."""
     packed_advance: str = "auto"
     """Engine step: on = one memory update per micro-batch on its events only
     (``MemoryRecommender.advance_packed``: embeddings, projections and feed-forward blocks on

@@ -73,6 +73,7 @@ RANGES: dict[str, str] = {
     "state.device_capacity": "[1, inf)",
     "state.host_capacity": "[0, inf)",
     "state.dedupe_window": "[0, inf)",
+    "state.piece_cells": "[0, inf)",
     "checkpoint.interval_s": "[0, inf)",
     "checkpoint.keep": "[1, inf)",
     "checkpoint.full_every": "[0, inf)",

@@ -284,8 +284,10 @@ class Engine:
         """Row sets of the batch, one ``advance`` each: all rows at once (always with the
         packed step, ``packs``: it computes no padded cells), or (with
         ``state.length_buckets``) users grouped by power-of-two length so that padding stays
-        below 2x the events; any set larger than the slab is cut into slab-sized pieces.
-        Each set lists its users longest first.
+        below 2x the events; any set larger than the slab is cut into slab-sized pieces,
+        and (``state.piece_cells`` > 0, padded steps) into pieces of at most that many
+        padded cells (users x the piece's longest length). Each set lists its users
+        longest first.
         Buckets pay on the CPU path (padded steps cost as much as real ones); on the GPU they
         only add launches, so ``auto`` leaves them off there."""
         mode = self.cfg.state.length_buckets
@@ -299,7 +301,8 @@ class Engine:
         # longest first: the chunked CPU scan then runs each chunk on a prefix of the users
         groups = [g[np.argsort(-lengths[g], kind="stable")] for g in groups]
         cap = self.store.capacity
-        return [g[i : i + cap] for g in groups for i in range(0, len(g), cap)]
+        cells = 0 if self.packs else self.cfg.state.piece_cells
+        return [p for g in groups for p in _cut(g, lengths[g], cap, cells)]
 
     @property
     def packs(self) -> bool:
@@ -622,6 +625,19 @@ class Engine:
             "bytes_per_user": self.store.bytes_per_user(),
             "partitions": {p: len(u) for p, u in sorted(self._users_of.items())},
         }
+
+
+def _cut(rows: np.ndarray, lengths: np.ndarray, most: int, cells: int) -> list[np.ndarray]:
+    """``rows`` (their ``lengths`` non-increasing) cut into consecutive pieces of at most
+    ``most`` rows and, with ``cells`` > 0, at most ``cells`` padded cells each (rows x the
+    piece's first, longest, length; one row at least)."""
+    out = []
+    i = 0
+    while i < len(rows):
+        n = most if cells <= 0 else min(most, max(1, cells // max(int(lengths[i]), 1)))
+        out.append(rows[i : i + n])
+        i += n
+    return out
 
 
 def _as_range(rows: np.ndarray) -> slice | None:

@@ -8,6 +8,7 @@ from models.recommender import MemoryRecommender
 from recmem.archive import NoteBank
 from recmem.config import Config
 from recmem.engine import Engine, group_events, group_events_reference
+from recmem.engine.engine import _cut
 from recmem.state_store import StateLayout, UserStateStore
 from recmem.vocab import ItemVocab
 from streams.batch import EventBatch, event_key
@@ -105,12 +106,17 @@ def reference_states(engine, events):
 
 
 @pytest.mark.parametrize(
-    "capacity, host, buckets", [(64, 64, "auto"), (64, 64, "off"), (5, 3, "on"), (5, 3, "off")]
-)
-def test_micro_batches_equal_one_pass_per_user(tmp_path, capacity, host, buckets):
+    "capacity, host, buckets, cells",
+    [(64, 64, "auto", 0), (64, 64, "off", 0), (5, 3, "on", 0), (5, 3, "off", 0),
+     (64, 64, "off", 12), (5, 3, "off", 12)],
+)  # fmt: skip
+def test_micro_batches_equal_one_pass_per_user(tmp_path, capacity, host, buckets, cells):
     events = random_events(600, 25)
     cfg = small_config()
     cfg.state.length_buckets = buckets
+    if cells:  # the padded path, whose pieces the cap cuts
+        cfg.state.packed_advance = "off"
+        cfg.state.piece_cells = cells
     engine = make_engine(tmp_path, cfg=cfg, capacity=capacity, host_capacity=host)
     total = 0
     for start in range(0, len(events), 37):
@@ -134,6 +140,27 @@ def test_micro_batches_equal_one_pass_per_user(tmp_path, capacity, host, buckets
     # users are recorded under their partition
     for p in range(3):
         assert engine.users_of(p) == sorted(u for u in ref if int(u[4:]) % 3 == p)
+
+
+def test_pieces_keep_to_the_cell_cap_and_the_slab():
+    """state.piece_cells: pieces of consecutive rows (longest first), each at most ``cells``
+    padded cells (rows x its first length) and ``most`` rows, one row at least."""
+    lengths = np.array([50, 9, 7, 7, 3, 2, 2, 1, 1, 1, 1, 1], dtype=np.int64)
+    rows = np.arange(len(lengths)) + 100
+    got = _cut(rows, lengths, 64, 20)
+    assert [p.tolist() for p in got] == [
+        [100],
+        [101, 102],
+        [103, 104],
+        [105, 106, 107, 108, 109, 110, 111],
+    ]
+    assert all(len(p) * lengths[p[0] - 100] <= 20 or len(p) == 1 for p in got)
+    assert [p.tolist() for p in _cut(rows, lengths, 5, 0)] == [
+        rows[:5].tolist(),
+        rows[5:10].tolist(),
+        rows[10:].tolist(),
+    ]
+    assert np.concatenate(_cut(rows, lengths, 3, 20)).tolist() == rows.tolist()
 
 
 def test_snapshot_is_a_copy_and_unknown_users_are_zero(tmp_path):
