@@ -142,13 +142,16 @@ class StateConfig:
     """Engine step: on = run a micro-batch's users in power-of-two length buckets (one memory
     update per bucket) so that padding stays under 2x the events; off = one update for the
     batch; auto = on for the CPU path, off on the GPU (its varlen kernels skip padding)."""
-    piece_cells: int = 0
+    piece_cells: int = 65_536
     """Engine step on the padded path (``advance`` per piece: the GPU by default): cut a
     batch's users, longest first, into pieces of at most this many padded cells (users x
-    the piece's longest pending length; a piece takes one user at least). Bounds the step's
-    activation memory, which the caching allocator keeps: on a Zipf workload one long user
-    pads a 4,096-event batch to 1-2 M cells. 0 = no cap (one piece, the slab's size at
-    most). The packed step (no padding) ignores it."""
+    the piece's longest pending length; a piece takes one user at least). On a Zipf
+    workload one long user pads a 4,096-event batch to up to 2.2 M cells, whose
+    activations the caching allocator then keeps: with 65,536 (two pieces per batch) 8
+    members on one H200 held 4.3-4.7 GiB of GPU memory each instead of 9.5-28.7, and
+    ingested 1.7x faster (bench/results/README.md, host_members_h200_0e58aae_*.json).
+    0 = no cap (one piece, the slab's size at most). The packed step (no padding)
+    ignores it."""
     packed_advance: str = "auto"
     """Engine step: on = one memory update per micro-batch on its events only
     (``MemoryRecommender.advance_packed``: embeddings, projections and feed-forward blocks on
