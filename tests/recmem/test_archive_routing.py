@@ -32,10 +32,12 @@ def test_masked_cosines_equal_the_cumsum_form_bit_for_bit(seed):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_vote_pick_on_unpadded_rows_equals_vote_rank(seed):
+def test_both_loop_free_votes_equal_vote_rank(seed):
     """Inner products drawn from a few values (ties in votes and strength everywhere),
     requests with 1..4 positions and 1..N notes, dead positions and channels, r from 0 to
-    past the note count, min_votes 0..2: the same notes and votes as vote_rank's loop."""
+    past the note count, min_votes 0..2: vote_pick (numpy, the positions unpadded) and
+    vote_pick_padded (torch, padding positions dead) pick the same notes and count the
+    same votes as vote_rank's loop."""
     rng = np.random.default_rng(seed)
     W, n, C, N, d = 9, 4, 6, 7, 4
     rows = rng.integers(1, n + 1, size=W)
@@ -49,44 +51,21 @@ def test_vote_pick_on_unpadded_rows_equals_vote_rank(seed):
     sims[~has_note[:, None, None, :].repeat(n, 1).repeat(C, 2)] = -np.inf
     open_ = np.full((W, N, C), d)
     rs = rng.integers(0, N + 2, size=W)
+    padded_cos = torch.from_numpy(masked_cosines(sims, unit, open_))
     for min_votes in (0, 1, 2):
         want, want_votes = vote_rank(sims, unit, open_, has_note, live, rs.tolist(), min_votes)
+        want_notes = [w.tolist() for w in want]
         keep = np.arange(n)[None, :] < rows[:, None]  # each request's positions, in order
         cos = masked_cosines(sims[keep][:, None], unit[keep][:, None], open_.repeat(rows, 0))
         picked, votes = vote_pick(cos[:, 0], live[keep], rows, has_note, rs, min_votes)
-        assert [np.flatnonzero(p).tolist() for p in picked] == [w.tolist() for w in want]
+        assert [np.flatnonzero(p).tolist() for p in picked] == want_notes
         assert np.array_equal(votes, want_votes)
-        assert sum(len(w) for w in want) > 0
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_vote_pick_padded_equals_vote_rank(seed):
-    """Inner products drawn from a few values (ties in votes and strength everywhere),
-    requests with 1..4 positions (the rest padding) and 1..N notes, dead positions and
-    channels, r from 0 to past the note count, min_votes 0..2: the torch vote picks the
-    same notes and counts the same votes as vote_rank's loop."""
-    rng = np.random.default_rng(seed)
-    W, n, C, N, d = 9, 4, 6, 7, 4
-    rows = rng.integers(1, n + 1, size=W)
-    counts = rng.integers(1, N + 1, size=W)
-    has_note = np.arange(N)[None, :] < counts[:, None]
-    unit = np.zeros((W, n, C, d), dtype=np.float32)
-    unit[..., 0] = 1.0
-    live = (rng.random((W, n, C)) < 0.8) & (np.arange(n)[None, :, None] < rows[:, None, None])
-    unit[~live] = 0.0
-    sims = rng.choice([-0.5, 0.0, 0.5, 1.0], size=(W, n, C, N)).astype(np.float32)
-    sims[~has_note[:, None, None, :].repeat(n, 1).repeat(C, 2)] = -np.inf
-    open_ = np.full((W, N, C), d)
-    rs = rng.integers(0, N + 2, size=W)
-    cos = torch.from_numpy(masked_cosines(sims, unit, open_))
-    for min_votes in (0, 1, 2):
-        want, want_votes = vote_rank(sims, unit, open_, has_note, live, rs.tolist(), min_votes)
-        picked, votes = vote_pick_padded(
-            cos, torch.from_numpy(live), torch.from_numpy(has_note), torch.from_numpy(rs),
-            min_votes,
+        picked_t, votes_t = vote_pick_padded(
+            padded_cos, torch.from_numpy(live), torch.from_numpy(has_note),
+            torch.from_numpy(rs), min_votes,
         )  # fmt: skip
-        assert [np.flatnonzero(p).tolist() for p in picked.numpy()] == [w.tolist() for w in want]
-        assert np.array_equal(votes.numpy(), want_votes)
+        assert [np.flatnonzero(p).tolist() for p in picked_t.numpy()] == want_notes
+        assert np.array_equal(votes_t.numpy(), want_votes)
         assert sum(len(w) for w in want) > 0
 
 
