@@ -14,7 +14,7 @@ from recmem.config import Config
 RUNTIME_ONLY = {
     "memory": ("backend", "chunk_size"),
     "model": ("dropout",),
-    "archive": ("replay_notes", "min_votes", "routing", "route_candidates"),
+    "archive": ("replay_notes", "min_votes", "routing", "route_candidates", "route_device"),
 }
 """Fields of those sections that do not shape stored data: how this machine computes the
 rule, training-only settings, and how a rank request picks its notes (the notes and their

@@ -262,6 +262,7 @@ def test_data_settings_cover_what_shapes_stored_data():
         "archive.replay_notes",
         "archive.routing",
         "archive.route_candidates",
+        "archive.route_device",
         "model.dropout",
     ):
         assert dotted not in base, dotted
