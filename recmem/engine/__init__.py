@@ -14,11 +14,12 @@ from recmem.engine.engine import (
     group_events,
     group_events_reference,
 )
-from recmem.engine.loop import EngineLoop, LoopStopped, PartitionUnavailable
+from recmem.engine.loop import DeviceOutOfMemory, EngineLoop, LoopStopped, PartitionUnavailable
 from recmem.engine.tails import RecentEvents
 
 __all__ = [
     "ApplyCounts",
+    "DeviceOutOfMemory",
     "Engine",
     "EngineLoop",
     "GroupedBatch",

@@ -61,6 +61,26 @@ class LoopStopped(RuntimeError):
     """The engine loop no longer accepts work (stopping, or ingest failed)."""
 
 
+class DeviceOutOfMemory(RuntimeError):
+    """A rank batch ran out of device memory twice: once, and again after the caching
+    allocator gave its unused blocks back (``torch.cuda.empty_cache``)."""
+
+
+def _retry_out_of_memory(what: str, fn: Callable[..., R], *args: Any) -> R:
+    """``fn(*args)``; on a device out-of-memory error, the allocator's cached blocks given
+    back and ``fn(*args)`` once more (the work reads the model and private copies only, so
+    a retry is safe). The second failure raises ``DeviceOutOfMemory``."""
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError as first:
+        log.warning("%s ran out of device memory; retrying with the cache emptied", what)
+        torch.cuda.empty_cache()
+        try:
+            return fn(*args)
+        except torch.OutOfMemoryError as second:
+            raise DeviceOutOfMemory(f"{what} ran out of device memory: {second}") from first
+
+
 class PartitionUnavailable(LookupError):
     """The request's partition is not served by this engine now: still restoring, or no
     longer (or not yet) owned here. Never answered from an empty state."""
@@ -342,7 +362,7 @@ class EngineLoop:
             piece, owner = item
             try:
                 assert self.engine is not None
-                self.engine.compute(piece)
+                _retry_out_of_memory("an ingest step", self.engine.compute, piece)
                 self._inbox.put(("done", _Done(piece, owner)))
             except BaseException as e:  # noqa: BLE001 - reported on the loop thread
                 self._inbox.put(("done", _Done(piece, owner, e)))
@@ -478,7 +498,9 @@ class EngineLoop:
         if live:
             began = time.perf_counter()
             try:
-                outcome = self.ranker.rank([q for q, _ in live])
+                outcome = _retry_out_of_memory(
+                    "a rank batch", self.ranker.rank, [q for q, _ in live]
+                )
                 if len(outcome) != len(live):
                     raise RuntimeError(
                         f"rank returned {len(outcome)} results for {len(live)} requests"

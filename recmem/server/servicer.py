@@ -19,7 +19,7 @@ import grpc
 
 from proto.recmem.v1 import rank_pb2, rank_pb2_grpc
 from recmem.client import GENERATION, OWNER, PARTITION, RETRY_PUSHBACK
-from recmem.engine import LoopStopped, PartitionUnavailable, UserInfo
+from recmem.engine import DeviceOutOfMemory, LoopStopped, PartitionUnavailable, UserInfo
 from recmem.queries import RankQuery, RankResult
 from recmem.routing import OwnerMap
 from recmem.server import packed
@@ -238,6 +238,11 @@ class RecMemServicer(rank_pb2_grpc.RecMemServicer):
             )
         if isinstance(error, LoopStopped):
             return _Failure(grpc.StatusCode.UNAVAILABLE, str(error))
+        if isinstance(error, DeviceOutOfMemory):
+            return _Failure(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "the service's GPU is out of memory; retry later",
+            )
         # logged by the engine loop; the client gets INTERNAL
         return _Failure(grpc.StatusCode.INTERNAL, "rank failed; see the server log")
 

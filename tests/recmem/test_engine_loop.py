@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from recmem.engine import EngineLoop, LoopStopped
+from recmem.engine import DeviceOutOfMemory, EngineLoop, LoopStopped
 from recmem.ranking import RankQuery, RankResult
 from streams.validate import ValidEvent
 from tests.recmem.rank_env import RankEnv, make_env, start_loop
@@ -216,5 +217,35 @@ def test_capture_and_install_run_in_ingest_order(env: RankEnv) -> None:
         with pytest.raises(LoopStopped, match="disk on fire"):
             loop.submit_apply([event("user1", ts + 4000, 503)])
         assert loop.submit(RankQuery("user1", k=2)).result(10).position == 42
+    finally:
+        loop.stop()
+
+
+def test_an_ingest_step_out_of_device_memory_runs_again_once(env: RankEnv) -> None:
+    """The model step of a piece that runs out of device memory (what torch raises when a
+    CUDA allocation fails) runs once more after the allocator's cache is emptied; a second
+    failure in a row stops ingest as any step error does, and ranking goes on."""
+    loop = start_loop(env)
+    real = env.engine.compute
+    fails = {"left": 1, "calls": 0}
+
+    def flaky(piece):
+        fails["calls"] += 1
+        if fails["left"] > 0:
+            fails["left"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real(piece)
+
+    try:
+        env.engine.compute = flaky  # type: ignore[method-assign]
+        ts = int(env.history["user1"].ts_ms[-1])
+        assert loop.submit_apply([event("user1", ts + 1000, 500)]).result(10).events == 1
+        assert fails["calls"] == 2
+        assert loop.submit(RankQuery("user1", k=2)).result(10).position == 41
+        fails["left"] = 2
+        bad = loop.submit_apply([event("user1", ts + 2000, 501)])
+        with pytest.raises(DeviceOutOfMemory, match="out of device memory"):
+            bad.result(10)
+        assert loop.submit(RankQuery("user1", k=2)).result(10).position == 41
     finally:
         loop.stop()

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from proto.recmem.v1 import event_pb2, rank_pb2
 from recmem.engine import EngineLoop, PartitionUnavailable
@@ -275,6 +276,47 @@ def test_a_failed_batch_or_a_stopped_loop_fails_each_request(env: RankEnv) -> No
     assert_same_batch(got, svc._rank_batch_reference(batch, Context()))  # type: ignore[arg-type]
     unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
     assert [r.code for r in got.results] == [unavailable, 3, unavailable]
+
+
+class OutOfMemory:
+    """The real ranker, but its first ``fails`` batches raise a device out-of-memory error
+    (what torch raises when a CUDA allocation fails; this machine may have no GPU)."""
+
+    def __init__(self, ranker: Any, fails: int) -> None:
+        self.ranker, self.fails, self.calls = ranker, fails, 0
+        self.n_items = ranker.n_items
+
+    def rank(self, queries: Any) -> list[RankResult]:
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.ranker.rank(queries)
+
+
+def test_a_batch_out_of_device_memory_is_retried_once_then_refused(env: RankEnv) -> None:
+    """One out-of-memory failure: the batch runs again (the allocator's cache emptied) and
+    every request gets its answer; two in a row: RESOURCE_EXHAUSTED, not INTERNAL."""
+    limits = limits_from_config(env.cfg)
+    batch = rank_pb2.RankBatchRequest(requests=[ask("user0"), ask("user1", k=0), ask("user2")])
+    plain = EngineLoop(env.ranker).start()
+    want = RecMemServicer(plain, env.vocab, limits, "m").RankBatch(batch, Context())  # type: ignore[arg-type]
+    plain.stop()
+    for fails, code in ((1, 0), (2, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])):
+        ranker = OutOfMemory(env.ranker, fails)
+        loop = EngineLoop(ranker).start()  # type: ignore[arg-type]
+        try:
+            svc = RecMemServicer(loop, env.vocab, limits, "m", metrics=RankMetrics())
+            got = svc.RankBatch(batch, Context())  # type: ignore[arg-type]
+        finally:
+            loop.stop()
+        assert [r.code for r in got.results] == [code, 3, code]
+        assert ranker.calls == 2
+        if fails == 1:
+            assert [r.response.items for r in got.results] == [
+                r.response.items for r in want.results
+            ]
+        else:
+            assert "out of memory" in got.results[0].message
 
 
 def test_a_cancelled_group_is_skipped() -> None:
