@@ -34,6 +34,10 @@ the one GPU (docs/scaling.md). The run:
    Figures: requests/s, p50 / p99 / mean latency, errors, mean notes replayed (each
    caller's first 64 answers), and the cores the members and the clients kept busy.
 
+Each run also records the host's busy cores and the members' (their consumer processes
+included) over the ingest's 10-90 % window; ``--profile-member DIR`` records member 0 with
+py-spy over the ingest (bench/experiments/member_profile.py summarises it).
+
 ``--clients``: run every N once per Kafka client (``kafka.client``; confluent is librdkafka,
 whose members learn the other partitions' owners from the checkpoint claims,
 docs/streams.md), in that order, on the same records; the runs are then keyed
@@ -53,6 +57,7 @@ import math
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -129,13 +134,86 @@ def member_log_errors(cluster: Any, most: int = 12) -> list[str]:
     return found
 
 
-def ingest_pass(cluster: Any, cfg: Any, n_events: int, ends: dict[int, int]) -> dict[str, Any]:
-    """Start the members and time them to every event applied and checkpointed."""
+def host_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole host so far, from /proc/stat ((0, 0) without)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants (a member's consumer processes), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+class IngestCpu:
+    """The host's busy cores and the members' (with their consumer processes) over the
+    ingest's 10-90 % window: sampled at every poll, the samples nearest the crossings used."""
+
+    def __init__(self, member_pids: list[int]) -> None:
+        self.member_pids = member_pids
+        self.samples: list[tuple[float, int, int, float]] = []
+
+    def sample(self, now: float) -> None:
+        busy, total = host_jiffies()
+        pids = [p for m in self.member_pids for p in tree_pids(m)]
+        self.samples.append((now, busy, total, cpu_seconds(*pids)))
+
+    def over(self, t_a: float, t_b: float) -> dict[str, float] | None:
+        if len(self.samples) < 2 or t_b <= t_a:
+            return None
+        a = min(self.samples, key=lambda s: abs(s[0] - t_a))
+        b = min(self.samples, key=lambda s: abs(s[0] - t_b))
+        if b[0] <= a[0] or b[2] <= a[2]:
+            return None
+        cores = os.cpu_count() or 1
+        return {
+            "host_cores_busy": round((b[1] - a[1]) / (b[2] - a[2]) * cores, 2),
+            "members_cores_busy": round((b[3] - a[3]) / (b[0] - a[0]), 2),
+            "host_cores": cores,
+        }
+
+
+def py_spy_member(pid: int, path: Path) -> subprocess.Popen[bytes] | None:
+    """py-spy recording a member (every thread and its consumer processes; raw collapsed
+    stacks) until it is sent SIGINT; None without py-spy ($PYSPY or on PATH)."""
+    exe = os.environ.get("PYSPY") or shutil.which("py-spy")
+    if exe is None:
+        say("no py-spy: --profile-member records nothing")
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [exe, "record", "--pid", str(pid), "--duration", "600", "--rate", "100", "--threads",
+           "--subprocesses", "--nonblocking", "--format", "raw", "-o", str(path)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def ingest_pass(
+    cluster: Any, cfg: Any, n_events: int, ends: dict[int, int], profile: Path | None = None
+) -> dict[str, Any]:
+    """Start the members and time them to every event applied and checkpointed
+    (``profile``: py-spy member 0 from the first event applied to the last, into it)."""
     from tests.cluster import caught_up
 
     ports = [inst.metrics_port for inst in cluster.instances]
     t0 = time.monotonic()
     cluster.start_all()
+    cpu = IngestCpu([inst.proc.pid for inst in cluster.instances if inst.proc])
+    spy: subprocess.Popen[bytes] | None = None
     first = last = settled = None
     trace: list[tuple[float, int]] = []
     while True:
@@ -143,13 +221,18 @@ def ingest_pass(cluster: Any, cfg: Any, n_events: int, ends: dict[int, int]) -> 
             cluster.alive(i)  # raises with the log tail of a member that died
         now = time.monotonic() - t0
         got = applied(ports)
+        cpu.sample(now)
         if got is not None:
             if got and first is None:
                 first = now
+                if profile is not None and cluster.instances[0].proc:
+                    spy = py_spy_member(cluster.instances[0].proc.pid, profile)
             if not trace or trace[-1][1] != got:
                 trace.append((round(now, 2), got))
             if got >= n_events and last is None:
                 last = now
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
         if settled is None and cluster.settled(cluster.n):
             settled = now
         if last is not None and caught_up(cfg, ends):
@@ -161,7 +244,14 @@ def ingest_pass(cluster: Any, cfg: Any, n_events: int, ends: dict[int, int]) -> 
     assert first is not None and last is not None
     span = max(last - first, 1e-9)
     t10, t90 = (crossing(trace, q * n_events) for q in (0.1, 0.9))
+    if spy is not None:
+        try:
+            spy.wait(60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
     return {
+        "cpu_10_to_90_percent": cpu.over(t10, t90),
+        "profiled_seconds": None if spy is None else round(last - first, 2),
         "members": cluster.n,
         "seconds_to_first_applied": round(first, 2),
         "seconds_to_settled": None if settled is None else round(settled, 2),
@@ -316,6 +406,14 @@ def main() -> None:
         default="",
         help="folder to copy each run's member logs into (DIR/<run>/serve-N.log)",
     )
+    ap.add_argument(
+        "--profile-member",
+        default="",
+        metavar="DIR",
+        help="record member 0 with py-spy (threads and consumer processes, raw collapsed "
+        "stacks) from the first event applied to the last, into DIR/<run>.txt (py-spy from "
+        "$PYSPY or PATH)",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -412,7 +510,10 @@ def main() -> None:
                 run: dict[str, Any] = {"kafka_client": c.kafka.client}
                 result["runs"][key] = run
                 try:
-                    run["ingest"] = ingest_pass(cluster, c, n, ends)
+                    spy = None
+                    if args.profile_member:
+                        spy = Path(args.profile_member) / f"{key.replace('/', '-')}.txt"
+                    run["ingest"] = ingest_pass(cluster, c, n, ends, spy)
                     say(f"{key} member(s), {c.kafka.client}: {run['ingest']}")
                     save(complete=False)
                     if args.rank_seconds <= 0:
