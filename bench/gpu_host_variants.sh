@@ -8,7 +8,7 @@
 # .gpu/rank, .gpu/whl, .gpu/bin (bench/gpu_site.sh). Sizes (env): EVENTS (600,000 of the
 # 10M-event workload), PARTITIONS (16), REPLAY (0), RANK_S (3), CLIENT_PROCS (4), VARIANT_S
 # (300: the bound of each variant), PROFILE (1: py-spy member 0 over each ingest, summarised
-# into $OUT/member_profile_h200.json). Output: $OUT/host_members_h200_<name>.json and .log,
+# into $OUT/member_profile_h200.json; PYSPY_IDLE=1 keeps idle samples). Output: $OUT/host_members_h200_<name>.json and .log,
 # the members' logs under $OUT/logs-<name>/ (their error lines and GPU memory also in the JSON).
 set -u
 OUT=${OUT:?set OUT to the output folder}

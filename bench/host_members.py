@@ -36,7 +36,8 @@ the one GPU (docs/scaling.md). The run:
 
 Each run also records the host's busy cores and the members' (their consumer processes
 included) over the ingest's 10-90 % window; ``--profile-member DIR`` records member 0 with
-py-spy over the ingest (bench/experiments/member_profile.py summarises it).
+py-spy over the ingest (bench/experiments/member_profile.py summarises it; with
+``PYSPY_IDLE=1`` in the environment idle samples are kept, so waits show where they sit).
 
 ``--clients``: run every N once per Kafka client (``kafka.client``; confluent is librdkafka,
 whose members learn the other partitions' owners from the checkpoint claims,
@@ -199,6 +200,8 @@ def py_spy_member(pid: int, path: Path) -> subprocess.Popen[bytes] | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [exe, "record", "--pid", str(pid), "--duration", "600", "--rate", "100", "--threads",
            "--subprocesses", "--nonblocking", "--format", "raw", "-o", str(path)]  # fmt: skip
+    if os.environ.get("PYSPY_IDLE") == "1":
+        cmd.append("--idle")  # waiting threads too: where a member waits, not only works
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
