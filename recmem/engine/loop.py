@@ -592,19 +592,24 @@ class EngineLoop:
         return True
 
     def _install(self) -> None:
-        """Install the piece the executor finished (states, latest events, notes), then hand
-        the executor the next piece."""
+        """Install the piece the executor finished: its states and latest events, then hand
+        the executor the next piece, then its notes. The NoteBank's write path so runs while
+        the executor computes the next piece (nothing in ``plan``, ``begin`` or ``compute``
+        reads the NoteBank), and nothing else on the loop runs between the two, so ranks,
+        reads and tasks see states, latest events and notes move together as before."""
         done, self._done = self._done, None
         assert done is not None
         self._inflight = None
+        if self.failure is not None:
+            return  # ingest stopped while this piece ran (e.g. an earlier piece's notes)
         if done.error is not None:
             self._fail_ingest(done.error, done.owner)
             return
         assert self.engine is not None
         try:
             self.engine.commit(done.piece)
-            self.engine.commit_notes(done.piece)
             self._dispatch_piece()
+            self.engine.commit_notes(done.piece)
         except BaseException as e:  # noqa: BLE001
             self._fail_ingest(e, done.owner)
             return

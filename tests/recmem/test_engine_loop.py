@@ -193,6 +193,99 @@ def test_ranks_do_not_wait_for_the_model_step_and_see_whole_pieces(env: RankEnv)
         loop.stop()
 
 
+def _two_batches_held(env: RankEnv) -> tuple[threading.Event, threading.Event]:
+    """Wrap the engine's step so that the first piece's step waits for ``queued`` (both
+    batches submitted) and every later step sets ``second`` as it starts."""
+    engine, compute = env.engine, env.engine.compute
+    queued, second = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def held(piece):
+        calls.append(len(piece.users))
+        if len(calls) == 1:
+            assert queued.wait(10)
+        else:
+            second.set()
+        compute(piece)
+
+    engine.compute = held  # type: ignore[method-assign]
+    return queued, second
+
+
+def _eight(user: str, ts: int, offset: int) -> list[ValidEvent]:
+    """8 events a minute apart after ``ts``: a whole archive chunk (2 notes) closes."""
+    return [event(user, ts + 60_000 * (i + 1), offset + i, f"item{i}") for i in range(8)]
+
+
+def test_the_next_piece_computes_while_the_last_ones_notes_are_written(env: RankEnv) -> None:
+    """The loop hands the executor the next piece before it writes the finished piece's
+    notes, so the two overlap; the result is the same as one piece after the other."""
+    engine = env.engine
+    queued, second = _two_batches_held(env)
+    commit_notes = engine.commit_notes
+    overlapped: list[bool] = []
+
+    def watched(piece):
+        if not overlapped:
+            overlapped.append(second.wait(10))  # the next step started meanwhile
+        commit_notes(piece)
+
+    engine.commit_notes = watched  # type: ignore[method-assign]
+    loop = start_loop(env)
+    try:
+        notes = loop.read(lambda: [engine.bank.note_count(u) for u in ("user0", "user1")])
+        before = notes.result(10)
+        ts = [int(env.history[u].ts_ms[-1]) for u in ("user0", "user1")]
+        a = loop.submit_apply(_eight("user0", ts[0], 100))
+        b = loop.submit_apply(_eight("user1", ts[1], 200))
+        queued.set()
+        assert a.result(30).events == 8 and b.result(30).events == 8
+        assert overlapped == [True]
+        after = loop.read(
+            lambda: (
+                [engine.bank.note_count(u) for u in ("user0", "user1")],
+                [int(engine.snapshot([u]).pos[0]) for u in ("user0", "user1")],
+                [engine.recent_events(u, 1).ts_ms.tolist() for u in ("user0", "user1")],
+            )
+        ).result(10)
+        assert after == ([n + 2 for n in before], [48, 48], [[t + 8 * 60_000] for t in ts])
+    finally:
+        queued.set()
+        loop.stop()
+
+
+def test_notes_that_fail_while_the_next_piece_runs_stop_ingest_and_drop_it(
+    env: RankEnv,
+) -> None:
+    """When writing a piece's notes fails after the next piece was handed to the executor,
+    ingest stops with the error, both batches fail, the next piece's result is never
+    installed, and ranking goes on."""
+    queued, second = _two_batches_held(env)
+
+    def broken(piece):
+        assert second.wait(10)
+        raise OSError("archive disk full")
+
+    env.engine.commit_notes = broken  # type: ignore[method-assign]
+    loop = start_loop(env)
+    try:
+        ts = [int(env.history[u].ts_ms[-1]) for u in ("user0", "user1")]
+        a = loop.submit_apply(_eight("user0", ts[0], 100))
+        b = loop.submit_apply(_eight("user1", ts[1], 200))
+        queued.set()
+        for fut in (a, b):
+            with pytest.raises(OSError, match="archive disk full"):
+                fut.result(10)
+        with pytest.raises(LoopStopped, match="archive disk full"):
+            loop.submit_apply(_eight("user1", ts[1] + 10**6, 300))
+        assert loop.submit(RankQuery("user1", k=2)).result(10).position == 40
+        latest = loop.read(lambda: env.engine.recent_events("user1", 1).ts_ms.tolist())
+        assert latest.result(10) == [ts[1]]
+    finally:
+        queued.set()
+        loop.stop()
+
+
 def test_capture_and_install_run_in_ingest_order(env: RankEnv) -> None:
     """A task submitted after a batch sees the batch installed; one submitted before a
     batch does not see it; ingest errors stop ingest but not ranking."""
