@@ -99,8 +99,35 @@ def _extract_binary(wheel_path: Path, tmp: Path, target: Path) -> None:
     os.replace(part, target)
 
 
+_LOW_PORT = 20_000
+_handed_out: set[int] = set()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux's default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32_768, 60_999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port that was free a moment ago, for a listener started later: drawn at random
+    below the kernel's ephemeral range, so that no outgoing connection opened meanwhile (a
+    busy host opens thousands) can take it, and never one this process handed out
+    before; the OS picks one when that range is too small or full."""
+    import random
+
+    lo, _ = ephemeral_range()
+    if lo - _LOW_PORT >= 1_000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(_LOW_PORT, lo)
+            if port not in _handed_out and port_is_free(host, port):
+                _handed_out.add(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -11,7 +11,9 @@ from streams import broker as broker_module
 from streams.broker import (
     TANSU_MEMBER,
     EmbeddedBroker,
+    ephemeral_range,
     free_port,
+    port_is_free,
     tansu_binary,
     wait_for_port,
 )
@@ -50,6 +52,15 @@ def test_start_stop_frees_the_port(tmp_path):
     assert not broker.is_running()
     assert log.exists()
     assert not wait_for_port("127.0.0.1", port, 0.3)
+
+
+def test_free_ports_stay_out_of_the_outgoing_range_and_never_repeat():
+    lo, _ = ephemeral_range()
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(p < lo for p in ports)  # an outgoing connection cannot take one meanwhile
+    for p in ports[:20]:
+        assert port_is_free("127.0.0.1", p)
 
 
 def test_start_fails_clearly_when_the_port_is_taken():
