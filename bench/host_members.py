@@ -35,7 +35,8 @@ the one GPU (docs/scaling.md). The run:
    caller's first 64 answers), and the cores the members and the clients kept busy.
 
 Each run also records the host's busy cores and the members' (their consumer processes
-included) over the ingest's 10-90 % window; ``--profile-member DIR`` records member 0 with
+included) and the GPU's utilization (nvidia-smi, every 0.2 s) over the ingest's 10-90 %
+window; ``--profile-member DIR`` records member 0 with
 py-spy over the ingest (bench/experiments/member_profile.py summarises it; with
 ``PYSPY_IDLE=1`` in the environment idle samples are kept, so waits show where they sit).
 
@@ -190,6 +191,53 @@ class IngestCpu:
         }
 
 
+class GpuBusy:
+    """The GPU's utilization (nvidia-smi's ``utilization.gpu``: the share of each sample
+    period in which some kernel ran, any process's) sampled every 0.2 s in the background,
+    averaged over a window: how busy the one GPU was while the members ingested. Records
+    nothing without nvidia-smi."""
+
+    def __init__(self, t0: float) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.proc: subprocess.Popen[str] | None = None
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return
+        cmd = [exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "200"]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        out = self.proc.stdout
+
+        def read() -> None:
+            for line in out or ():
+                try:
+                    util = float(line.split(",")[0])
+                except ValueError:
+                    continue  # "[N/A]" and the like
+                self.samples.append((time.monotonic() - t0, util))
+
+        threading.Thread(target=read, name="gpu-busy", daemon=True).start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def over(self, t_a: float, t_b: float) -> dict[str, float] | None:
+        inside = [u for t, u in self.samples if t_a <= t <= t_b]
+        if not inside:
+            return None
+        return {
+            "mean_percent": round(sum(inside) / len(inside), 1),
+            "samples": len(inside),
+            "samples_at_100_percent": sum(1 for u in inside if u >= 100.0),
+        }
+
+
 def py_spy_member(pid: int, path: Path) -> subprocess.Popen[bytes] | None:
     """py-spy recording a member (every thread and its consumer processes; raw collapsed
     stacks) until it is sent SIGINT; None without py-spy ($PYSPY or on PATH)."""
@@ -216,34 +264,38 @@ def ingest_pass(
     t0 = time.monotonic()
     cluster.start_all()
     cpu = IngestCpu([inst.proc.pid for inst in cluster.instances if inst.proc])
-    spy: subprocess.Popen[bytes] | None = None
-    first = last = settled = None
-    trace: list[tuple[float, int]] = []
-    while True:
-        for i in cluster.live():
-            cluster.alive(i)  # raises with the log tail of a member that died
-        now = time.monotonic() - t0
-        got = applied(ports)
-        cpu.sample(now)
-        if got is not None:
-            if got and first is None:
-                first = now
-                if profile is not None and cluster.instances[0].proc:
-                    spy = py_spy_member(cluster.instances[0].proc.pid, profile)
-            if not trace or trace[-1][1] != got:
-                trace.append((round(now, 2), got))
-            if got >= n_events and last is None:
-                last = now
-                if spy is not None:
-                    spy.send_signal(signal.SIGINT)
-        if settled is None and cluster.settled(cluster.n):
-            settled = now
-        if last is not None and caught_up(cfg, ends):
-            done = time.monotonic() - t0
-            break
-        if now > 900:
-            raise RuntimeError(f"not caught up after 900 s: {got} of {n_events} applied")
-        time.sleep(0.2)
+    gpu = GpuBusy(t0)
+    try:
+        spy: subprocess.Popen[bytes] | None = None
+        first = last = settled = None
+        trace: list[tuple[float, int]] = []
+        while True:
+            for i in cluster.live():
+                cluster.alive(i)  # raises with the log tail of a member that died
+            now = time.monotonic() - t0
+            got = applied(ports)
+            cpu.sample(now)
+            if got is not None:
+                if got and first is None:
+                    first = now
+                    if profile is not None and cluster.instances[0].proc:
+                        spy = py_spy_member(cluster.instances[0].proc.pid, profile)
+                if not trace or trace[-1][1] != got:
+                    trace.append((round(now, 2), got))
+                if got >= n_events and last is None:
+                    last = now
+                    if spy is not None:
+                        spy.send_signal(signal.SIGINT)
+            if settled is None and cluster.settled(cluster.n):
+                settled = now
+            if last is not None and caught_up(cfg, ends):
+                done = time.monotonic() - t0
+                break
+            if now > 900:
+                raise RuntimeError(f"not caught up after 900 s: {got} of {n_events} applied")
+            time.sleep(0.2)
+    finally:
+        gpu.stop()
     assert first is not None and last is not None
     span = max(last - first, 1e-9)
     t10, t90 = (crossing(trace, q * n_events) for q in (0.1, 0.9))
@@ -254,6 +306,7 @@ def ingest_pass(
             spy.kill()
     return {
         "cpu_10_to_90_percent": cpu.over(t10, t90),
+        "gpu_utilization_10_to_90_percent": gpu.over(t10, t90),
         "profiled_seconds": None if spy is None else round(last - first, 2),
         "members": cluster.n,
         "seconds_to_first_applied": round(first, 2),
