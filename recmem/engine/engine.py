@@ -175,6 +175,9 @@ class Piece:
     event, user by user (``MemoryRecommender.advance_packed``)."""
     result: AdvanceResult | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    computed: torch.cuda.Event | None = None
+    """On a GPU: recorded on the compute stream after the model step (``commit`` waits
+    for it on the owner's stream); None on the CPU."""
 
 
 @dataclass
@@ -225,6 +228,10 @@ class Engine:
         )
         """Running totals for profiling: seconds per phase of an ingest batch, and
         user_steps (the padded [B, T] cells run, a count)."""
+        self._compute_stream: torch.cuda.Stream | None = None
+        """On a GPU, ``compute`` runs on this stream of its own, so that the owner's copies
+        to the host (latest events, notes, checkpoints) wait only for the work they read,
+        not for the next piece's model step queued behind it on one stream."""
 
     @property
     def device(self) -> torch.device:
@@ -371,6 +378,21 @@ class Engine:
         on another thread than the engine's owner."""
         t0 = time.perf_counter()
         dev = self.device
+        if dev.type != "cuda":
+            self._advance(piece)
+        else:
+            if self._compute_stream is None:
+                self._compute_stream = torch.cuda.Stream(device=dev)
+            stream = self._compute_stream
+            stream.wait_stream(torch.cuda.default_stream(dev))  # the gathered states
+            with torch.cuda.stream(stream):
+                self._advance(piece)
+                piece.computed = torch.cuda.Event()
+                piece.computed.record(stream)
+        piece.seconds["advance"] = time.perf_counter() - t0
+
+    def _advance(self, piece: Piece) -> None:
+        dev = self.device
         advance = self.model.advance_packed if piece.packed else self.model.advance
         piece.result = advance(
             torch.from_numpy(piece.items).to(dev),
@@ -383,13 +405,29 @@ class Engine:
         if piece.result.kq is not None:  # the archive's query features (routing projection)
             k, q = piece.result.kq
             piece.result.kq = (k, self.model.route_features(q))
-        piece.seconds["advance"] = time.perf_counter() - t0
+
+    def _adopt_result(self, piece: Piece) -> None:
+        """Make a piece computed on the compute stream safe to read on the owner's: the
+        owner's stream waits for the step, and the caching allocator will not hand the
+        result's memory back to the compute stream before the owner's reads of it ran."""
+        if piece.computed is None:
+            return
+        owner = torch.cuda.current_stream(self.device)
+        owner.wait_event(piece.computed)
+        res = piece.result
+        assert res is not None
+        tensors = [*res.state.to_fields().values(), res.outputs, *(res.kq or ()), res.user]
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                t.record_stream(owner)
+        piece.computed = None
 
     def commit(self, piece: Piece) -> None:
         """The new states, the latest events (and their q~) and the bookkeeping."""
         t0 = time.perf_counter()
         res = piece.result
         assert res is not None and res.kq is not None, "compute the piece first"
+        self._adopt_result(piece)
         self.store.scatter(piece.slots, res.state)
         self.tails.observe(
             piece.users, piece.items, piece.actions, piece.ts_ms, piece.lengths, res.kq[1],

@@ -342,3 +342,79 @@ def test_an_ingest_step_out_of_device_memory_runs_again_once(env: RankEnv) -> No
         assert loop.submit(RankQuery("user1", k=2)).result(10).position == 41
     finally:
         loop.stop()
+
+
+def _gpu_engines(tmp_path: Path, n: int) -> list:
+    """``n`` engines on the GPU with the same model weights, pieces of at most 64 cells
+    on the padded path (several per batch), NoteBanks on."""
+    import copy
+
+    from recmem.engine.builder import build_engine
+    from recmem.vocab import ItemVocab
+    from tests.recmem.rank_env import N_ITEMS, small_config
+
+    out = []
+    torch.manual_seed(3)
+    model = None
+    for i in range(n):
+        cfg = small_config(tmp_path / f"spill{i}")
+        cfg.state.device_capacity = cfg.state.host_capacity = 64
+        cfg.state.packed_advance, cfg.state.length_buckets, cfg.state.piece_cells = "off", "off", 64
+        vocab = ItemVocab([f"item{j}" for j in range(N_ITEMS)], cfg.model.n_oov_buckets)
+        if model is None:
+            from models.recommender import MemoryRecommender
+
+            model = MemoryRecommender(N_ITEMS, cfg.model.n_oov_buckets, cfg.memory, cfg.model)
+        out.append(
+            build_engine(
+                cfg, model=copy.deepcopy(model).eval(), vocab=vocab, device="cuda", start=False
+            )
+        )
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_pieces_pipelined_on_the_loop_equal_one_step_after_the_other(tmp_path: Path) -> None:
+    """On a GPU the executor computes each piece on a stream of its own while the loop
+    copies the previous piece's results to the host (latest events, notes) and gathers the
+    next one: the states, notes and latest queries equal those of the same batches applied
+    one step after the other on one thread."""
+    piped, serial = _gpu_engines(tmp_path, 2)
+    rng = np.random.default_rng(5)
+    users = [f"user{u}" for u in range(30)]
+    batches, ts = [], 1_000_000
+    for _ in range(16):
+        batch = []
+        for k in range(160):
+            ts += int(rng.integers(1, 5_000))
+            u = users[min(int(rng.zipf(1.4)) - 1, len(users) - 1)]  # a few long users
+            item = f"item{int(rng.integers(60))}"
+            batch.append(ValidEvent(u, item, ts, int(rng.integers(6)), 1.0, None, 0, k))
+        batches.append(batch)
+    for b in batches:
+        serial.engine.apply(b)
+    loop = piped.loop.start()
+    try:
+        futures = [loop.submit_apply(b) for b in batches]
+        assert sum(f.result(120).events for f in futures) == sum(map(len, batches))
+
+        def read(engine):  # type: ignore[no-untyped-def]
+            s = engine.snapshot(users)
+            return (
+                {k: v.cpu() for k, v in s.to_fields().items()},
+                [engine.bank.note_count(u) for u in users],
+                [None if x is None else x.cpu() for x in engine.recent_queries_many(users, 8)],
+            )
+
+        got = loop.read(lambda: read(piped.engine)).result(30)
+    finally:
+        loop.stop()
+    want = read(serial.engine)
+    assert got[1] == want[1] and sum(want[1]) > 0
+    for k in want[0]:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-5, atol=1e-6)
+    for a, b in zip(got[2], want[2]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
