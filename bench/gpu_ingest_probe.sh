@@ -7,6 +7,7 @@
 #    members, ingest only): the A/B of a change to the engine, in one call;
 # 3. bench/gpu_host_variants.sh on the new tree with $VARIANTS (ingest only; each run
 #    records the GPU's utilization over its 10-90 % window).
+# 0. with .gpu/test (pytest wheels) carried: $GPU_TESTS (the engine loop's and CUDA graphs' tests);
 # Carried: .gpu/rank, .gpu/whl, .gpu/bin (bench/gpu_site.sh), OLD (a git archive of the old
 # commit's bench configs models offline_eval proto pyproject.toml recmem streams tests).
 # Sizes (env): EVENTS (2,000,000 of the workload), FANOUT_EVENTS (1,000,000), RUN_S (200: the
@@ -17,6 +18,12 @@ OUT=${OUT:?set OUT to the output folder}
 . bench/gpu_site.sh || exit 1
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/dev/shm} GIT_COMMIT=${GIT_COMMIT:-unknown}
 EVENTS=${EVENTS:-2000000}
+if [ -d .gpu/test ]; then  # the GPU tests first (pytest wheels carried in .gpu/test)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $S .gpu/test/*.whl
+  PYTHONPATH=$S:$PWD timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider \
+    ${GPU_TESTS:-tests/recmem/test_engine_loop.py tests/models/test_graphs.py} >"$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests: exit $?"; tail -n 5 "$OUT/gpu_tests.log"
+fi
 PYTHONPATH=$S:$PWD timeout -s INT -k 20 300 python3 bench/broker_fanout.py \
   --events "${FANOUT_EVENTS:-1000000}" --procs 1,4,16 --set kafka.broker_bin_dir=.gpu/bin \
   --json "$OUT/broker_fanout_h200.json" >"$OUT/fanout.log" 2>&1
