@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Where the host's ingest stops, in one detached run on a lent H200 (bench/gpu_detached.sh):
 #   GIT_COMMIT=... OLD=.gpu/old OLD_COMMIT=... OUT=... bash bench/gpu_ingest_probe.sh
+# 0. with .gpu/test (pytest wheels) carried: $GPU_TESTS (the engine loop's and CUDA graphs' tests);
 # 1. bench/broker_fanout.py: what the embedded broker serves to 1 / 4 / 16 raw readers per
 #    client (the ceiling the members ingest under);
 # 2. bench/gpu_host_ab.sh twice, old tree then new and new then old (8 kafka-python
 #    members, ingest only): the A/B of a change to the engine, in one call;
 # 3. bench/gpu_host_variants.sh on the new tree with $VARIANTS (ingest only; each run
 #    records the GPU's utilization over its 10-90 % window).
-# 0. with .gpu/test (pytest wheels) carried: $GPU_TESTS (the engine loop's and CUDA graphs' tests);
 # Carried: .gpu/rank, .gpu/whl, .gpu/bin (bench/gpu_site.sh), OLD (a git archive of the old
 # commit's bench configs models offline_eval proto pyproject.toml recmem streams tests).
 # Sizes (env): EVENTS (2,000,000 of the workload), FANOUT_EVENTS (1,000,000), RUN_S (200: the

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import socket
 import stat
 import subprocess
@@ -103,14 +104,13 @@ _LOW_PORT = 20_000
 _handed_out: set[int] = set()
 
 
-def ephemeral_range() -> tuple[int, int]:
-    """The kernel's range of ports for outgoing connections (Linux's default elsewhere)."""
+def ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's default elsewhere)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32_768, 60_999
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -118,9 +118,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     below the kernel's ephemeral range, so that no outgoing connection opened meanwhile (a
     busy host opens thousands) can take it, and never one this process handed out
     before; the OS picks one when that range is too small or full."""
-    import random
-
-    lo, _ = ephemeral_range()
+    lo = ephemeral_low()
     if lo - _LOW_PORT >= 1_000:
         rng = random.SystemRandom()
         for _ in range(64):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from recmem.engine import DeviceOutOfMemory, EngineLoop, LoopStopped
+from recmem.engine.builder import BuiltEngine
 from recmem.ranking import RankQuery, RankResult
 from streams.validate import ValidEvent
 from tests.recmem.rank_env import RankEnv, make_env, start_loop
@@ -344,27 +345,25 @@ def test_an_ingest_step_out_of_device_memory_runs_again_once(env: RankEnv) -> No
         loop.stop()
 
 
-def _gpu_engines(tmp_path: Path, n: int) -> list:
+def _gpu_engines(tmp_path: Path, n: int) -> list[BuiltEngine]:
     """``n`` engines on the GPU with the same model weights, pieces of at most 64 cells
     on the padded path (several per batch), NoteBanks on."""
     import copy
 
+    from models.recommender import MemoryRecommender
     from recmem.engine.builder import build_engine
     from recmem.vocab import ItemVocab
     from tests.recmem.rank_env import N_ITEMS, small_config
 
-    out = []
     torch.manual_seed(3)
-    model = None
+    out = []
     for i in range(n):
         cfg = small_config(tmp_path / f"spill{i}")
         cfg.state.device_capacity = cfg.state.host_capacity = 64
         cfg.state.packed_advance, cfg.state.length_buckets, cfg.state.piece_cells = "off", "off", 64
-        vocab = ItemVocab([f"item{j}" for j in range(N_ITEMS)], cfg.model.n_oov_buckets)
-        if model is None:
-            from models.recommender import MemoryRecommender
-
+        if i == 0:
             model = MemoryRecommender(N_ITEMS, cfg.model.n_oov_buckets, cfg.memory, cfg.model)
+        vocab = ItemVocab([f"item{j}" for j in range(N_ITEMS)], cfg.model.n_oov_buckets)
         out.append(
             build_engine(
                 cfg, model=copy.deepcopy(model).eval(), vocab=vocab, device="cuda", start=False

@@ -11,7 +11,7 @@ from streams import broker as broker_module
 from streams.broker import (
     TANSU_MEMBER,
     EmbeddedBroker,
-    ephemeral_range,
+    ephemeral_low,
     free_port,
     port_is_free,
     tansu_binary,
@@ -55,7 +55,7 @@ def test_start_stop_frees_the_port(tmp_path):
 
 
 def test_free_ports_stay_out_of_the_outgoing_range_and_never_repeat():
-    lo, _ = ephemeral_range()
+    lo = ephemeral_low()
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
     assert all(p < lo for p in ports)  # an outgoing connection cannot take one meanwhile
