@@ -98,6 +98,51 @@ def test_advance_packed_equals_advance(hybrid):
     torch.testing.assert_close(b.kq[1], pack(a.kq[1], lengths), **TIGHT)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_advance_packed_on_cuda_equals_advance_in_double_on_the_cpu():
+    """The GPU's packed step (fp32) against the padded step in double on the CPU: the
+    states, outputs and (k~, q~) within fp32 rounding, for users of every length."""
+    torch.manual_seed(0)
+    mem = MemoryConfig(key_dim=16, value_dim=16, n_blocks=4, horizon=32)
+    m = MemoryRecommender(300, 4, mem, ModelConfig(embed_dim=32)).eval()
+    lengths = torch.tensor([90, 40, 33, 17, 16, 9, 5, 4, 3, 2, 1, 1, 0, 1])
+    B, T = len(lengths), int(lengths.max())
+    items = torch.randint(0, 304, (B, T))
+    actions = torch.randint(0, 3, (B, T))
+    ts = 10**12 + torch.cumsum(torch.randint(0, 10**7, (B, T)), 1)
+    state = m.init_state(B, "cpu")
+    state.pos = torch.randint(0, 90, (B,))
+    state.S.normal_()
+    assert state.M is not None
+    state.M.normal_()
+    state.last_ts = ts[:, 0] - 5
+    dev = torch.device("cuda")
+    gpu = MemoryRecommender(300, 4, mem, ModelConfig(embed_dim=32)).eval()
+    gpu.load_state_dict(m.state_dict())
+    gpu.to(dev)
+    m.double()
+    with torch.no_grad():
+        a = m.advance(
+            items, actions, ts, lengths,
+            state.map(lambda t: t.double() if t.is_floating_point() else t), return_kq=True,
+        )  # fmt: skip
+        b = gpu.advance_packed(
+            items.to(dev), actions.to(dev), ts.to(dev), lengths.to(dev), state.to(dev),
+            return_kq=True,
+        )  # fmt: skip
+    assert a.kq is not None and b.kq is not None
+    close = dict(rtol=2e-4, atol=2e-4)
+    for name, x in b.state.to_fields().items():
+        want = a.state.to_fields()[name]
+        if x is None or not x.is_floating_point():
+            assert (x is None and want is None) or torch.equal(x.cpu(), want), name
+        else:
+            torch.testing.assert_close(x.cpu().double(), want, **close)
+    torch.testing.assert_close(b.outputs.cpu().double(), pack(a.outputs, lengths), **close)
+    for got, want in zip(b.kq, a.kq, strict=True):
+        torch.testing.assert_close(got.cpu().double(), pack(want, lengths), **close)
+
+
 def test_advance_packed_needs_the_uniform_prefix_schedule():
     m = MemoryRecommender(
         10, 2, MemoryConfig(key_dim=8, value_dim=8, unlock="surprise"), ModelConfig(embed_dim=16)
