@@ -10,7 +10,12 @@ import torch
 from models.config import MemoryConfig, ModelConfig
 from models.memory.chunk_aligned import aligned_chunk_size
 from models.memory.naive import memory_scan_reference
-from models.memory.packed import PACKED_CHUNK_MIN_EVENTS, memory_scan_packed, packed_groups
+from models.memory.packed import (
+    PACKED_CHUNK_MIN_EVENTS,
+    memory_scan_packed,
+    packed_groups,
+    padded_groups,
+)
 from models.recommender import MemoryRecommender
 from tests.models.test_memory import make_inputs
 
@@ -23,11 +28,12 @@ def pack(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return x[torch.arange(T)[None, :] < lengths[:, None]]
 
 
+@pytest.mark.parametrize("padded", [None, "recurrent", "chunk"])
 @pytest.mark.parametrize("momentum", [True, False])
 @pytest.mark.parametrize(
     "K, E, N, chunk", [(8, 4, 64, 16), (10, 3, 30, 16), (8, 4, 8, 16), (8, 2, 40, 6)]
 )
-def test_packed_scan_equals_the_reference(momentum, K, E, N, chunk):
+def test_packed_scan_equals_the_reference(momentum, K, E, N, chunk, padded, monkeypatch):
     B, T, H, V = 9, 45, 2, 5
     inp = make_inputs(B, T, H, K, V, momentum=momentum, max_pos=3 * N)
     # every kind of user: none, 1-3 events (recurrent), a few, a chunk, many
@@ -39,9 +45,11 @@ def test_packed_scan_equals_the_reference(momentum, K, E, N, chunk):
     lengths = inp["lengths"]
     packed = {n: pack(inp[n], lengths) for n in ("q", "k", "v", "theta", "alpha")}
     packed["eta"] = None if inp["eta"] is None else pack(inp["eta"], lengths)
+    # the padded-scan path (the GPU's) in small groups, so that the users split across them
+    monkeypatch.setattr("models.memory.packed.PADDED_SCAN_CELLS", 64)
     y, S, M = memory_scan_packed(
         **packed, S0=inp["S0"], M0=inp["M0"], pos0=inp["pos0"], lengths=lengths,
-        chunk_size=chunk, **kw,
+        chunk_size=chunk, padded_backend=padded, **kw,
     )  # fmt: skip
     torch.testing.assert_close(y, pack(y_ref, lengths), **TIGHT)
     torch.testing.assert_close(S, S_ref, **TIGHT)
@@ -50,6 +58,14 @@ def test_packed_scan_equals_the_reference(momentum, K, E, N, chunk):
     assert torch.equal(S[1], inp["S0"][1])  # no events: the state keeps its bits
     for name in ("q", "S0"):
         assert inp[name].data_ptr() != S.data_ptr()
+
+
+def test_padded_groups_run_longest_first_within_the_cell_cap():
+    lengths = torch.tensor([3, 0, 40, 1, 16, 16, 2])
+    groups = [g.tolist() for g in padded_groups(lengths, cells=48)]
+    assert groups == [[2], [4, 5, 0], [6, 3]]  # 48 // 40 = 1 row, 48 // 16 = 3, 48 // 2
+    assert padded_groups(torch.zeros(3, dtype=torch.int64)) == []
+    assert [g.tolist() for g in padded_groups(torch.tensor([90, 2]), cells=8)] == [[0], [1]]
 
 
 def test_groups_split_short_users_off_and_need_a_wide_chunk():
