@@ -159,7 +159,9 @@ class StateConfig:
     users with 4+ events and one recurrent pass of at most 3 steps for the others), instead
     of one ``advance`` per piece; ``length_buckets`` then has no effect. Same results within
     fp32 rounding (docs/ingest.md, "The packed step"). off = one ``advance`` per piece
-    (``length_buckets``; for A/B); auto = on for the CPU path, off on the GPU. Needs the
+    (``length_buckets``; for A/B); auto = on for the CPU path, off on the GPU (there the
+    memory scan runs on right-padded groups on the Triton kernel; 8 members on one H200
+    ingested less with it on, docs/ingest.md). Needs the
     uniform schedule in prefix order (``memory.unlock`` = uniform, ``memory.block_order`` =
     prefix) and ``memory.backend`` = auto; other models run ``advance`` per piece."""
     compile_step: str = "off"
