@@ -29,6 +29,7 @@ from recmem.archive.routing import (
     vote_rank,
 )
 from recmem.archive.selection import (
+    NORM_EPS,
     address_coords,
     distinctiveness,
     l2_normalise,
@@ -195,6 +196,7 @@ class NoteBank:
         self.n_channels = n_channels
         # d_rho cannot exceed K: a small model selects all of its key coordinates.
         self.coords = address_coords(self.query_dim, min(cfg.address_dim, self.query_dim), seed)
+        self._coords_on: dict[torch.device, torch.Tensor] = {}  # self.coords per device
         self._gpu = gpu_resources(use_gpu)
         if self._gpu is not None and cfg.notes_per_user * n_channels > GPU_MAX_K:
             log.warning(
@@ -309,19 +311,23 @@ class NoteBank:
         if not packed:
             valid = np.arange(T)[None, :] < lens[:, None]
             k, q = _valid_cells(k, valid), _valid_cells(q, valid)
-        k_a = _numpy(k, np.float32)
-        q_a = _numpy(q, np.float32)
-        k_a = k_a.reshape(N, -1, self.key_dim)
-        q_a = q_a.reshape(N, -1, self.query_dim)
-        if k_a.shape[1] != self.n_channels or q_a.shape[1] != self.n_channels:
-            raise ValueError(
-                f"k and q must be [B, T, {self.n_channels}, K={self.key_dim} | "
-                f"query_dim={self.query_dim}] (or [B, T, L, H, ...], or packed), got "
-                f"{list(k_a.shape)}, {list(q_a.shape)}"
-            )
-        finite = np.isfinite(k_a).all(axis=(1, 2)) & np.isfinite(q_a).all(axis=(1, 2))
-        k_unit = l2_normalise(k_a).astype(PENDING_DTYPE)
-        u_unit = l2_normalise(q_a[..., self.coords]).astype(PENDING_DTYPE)
+        for x, dim in ((k, self.key_dim), (q, self.query_dim)):
+            if int(np.prod(x.shape)) != N * self.n_channels * dim:
+                raise ValueError(
+                    f"k and q must be [B, T, {self.n_channels}, K={self.key_dim} | "
+                    f"query_dim={self.query_dim}] (or [B, T, L, H, ...], or packed), got "
+                    f"{list(k.shape)}, {list(q.shape)}"
+                )
+        if hasattr(k, "detach") and hasattr(q, "detach"):
+            # tensors: normalised where they live, so that only the pending chunks' half
+            # floats (and of q only the address coordinates) leave a GPU
+            k_unit, u_unit, finite = self._units_of_tensors(k, q, N)
+        else:
+            k_a = _numpy(k, np.float32).reshape(N, -1, self.key_dim)
+            q_a = _numpy(q, np.float32).reshape(N, -1, self.query_dim)
+            finite = np.isfinite(k_a).all(axis=(1, 2)) & np.isfinite(q_a).all(axis=(1, 2))
+            k_unit = l2_normalise(k_a).astype(PENDING_DTYPE)
+            u_unit = l2_normalise(q_a[..., self.coords]).astype(PENDING_DTYPE)
         starts = np.cumsum(lens) - lens
         ids, ids_ok = _flat_item_ids(item_ids, lens, starts)
         cells = ragged_arange(np.arange(len(lens)) * T, lens)  # the valid cells of [B, T]
@@ -340,6 +346,27 @@ class NoteBank:
                     "NoteBank: skipped %d events of user %r: %s", int(lens[b]), user_ids[b], why
                 )
             return self._write(users, chunks)
+
+    def _units_of_tensors(
+        self, k: torch.Tensor, q: torch.Tensor, n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``observe_batch``'s unit keys, unit address queries (as ``PENDING_DTYPE``) and
+        whether each event's k and q are finite, computed on the tensors' device: the
+        torch form of ``l2_normalise`` (fp32, zero rows stay zero; the same values as the
+        numpy path within fp32 rounding before the cast to half)."""
+        k32 = k.detach().reshape(n, self.n_channels, self.key_dim).float()
+        q32 = q.detach().reshape(n, self.n_channels, self.query_dim).float()
+        finite = torch.isfinite(k32).flatten(1).all(1) & torch.isfinite(q32).flatten(1).all(1)
+        coords = self._coords_on.get(q32.device)
+        if coords is None:
+            coords = self._coords_on[q32.device] = torch.as_tensor(self.coords, device=q32.device)
+        half = torch.from_numpy(np.zeros(0, PENDING_DTYPE)).dtype
+
+        def unit(x: torch.Tensor) -> torch.Tensor:
+            norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+            return torch.where(norm > NORM_EPS, x / norm, 0.0).to(half)
+
+        return unit(k32).cpu().numpy(), unit(q32[..., coords]).cpu().numpy(), finite.cpu().numpy()
 
     def _buffer_batch(
         self, batch: _Batch

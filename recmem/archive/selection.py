@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_EPS = 1e-12
+NORM_EPS = 1e-12
 
 
 def address_coords(key_dim: int, address_dim: int, seed: int) -> np.ndarray:
@@ -26,12 +26,12 @@ def address_coords(key_dim: int, address_dim: int, seed: int) -> np.ndarray:
 def l2_normalise(x: np.ndarray) -> np.ndarray:
     """Unit vectors along the last axis (computed in x's own dtype, returned as float32);
     all-zero vectors stay zero. Zero rows are never divided: in float16 (the pending
-    chunk's storage) _EPS rounds to 0, and a zero row's 0 / 0 raised a RuntimeWarning."""
+    chunk's storage) NORM_EPS rounds to 0, and a zero row's 0 / 0 raised a RuntimeWarning."""
     x = np.asarray(x)
     if not np.issubdtype(x.dtype, np.floating):
         x = x.astype(np.float32)
     norm = np.linalg.norm(x, axis=-1, keepdims=True)
-    keep = norm > _EPS
+    keep = norm > NORM_EPS
     out = np.divide(x, norm, out=np.zeros_like(x), where=keep)
     return out.astype(np.float32)
 
@@ -48,7 +48,7 @@ def distinctiveness(k: np.ndarray) -> np.ndarray:
     unit = l2_normalise(k32)
     centre = l2_normalise(unit.mean(axis=-3))
     cos = np.einsum("...tck,...ck->...tc", unit, centre)
-    zero = np.linalg.norm(k32, axis=-1) <= _EPS
+    zero = np.linalg.norm(k32, axis=-1) <= NORM_EPS
     return np.where(zero, 0.0, 1.0 - cos).astype(np.float32)
 
 

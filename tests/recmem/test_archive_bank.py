@@ -276,6 +276,59 @@ def test_observe_batch_matches_per_user_observe():
         assert batch.pending_count(u) == single.pending_count(u)
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        ),
+    ],
+)
+def test_observe_batch_on_tensors_equals_it_on_numpy_arrays(caplog, device):
+    """Tensors are normalised where they live (``_units_of_tensors``); numpy arrays by
+    ``l2_normalise``: the same notes, the same pending units within half-float rounding, a
+    user with a non-finite key skipped on both, a malformed k refused on both."""
+    streams = [make_stream(40, seed=s, planted=(7,)) for s in (21, 22, 23)]
+    n = 40
+    items = np.stack([s.items[:n] for s in streams])
+    cols = [
+        np.stack([getattr(s, f)[:n] for s in streams]) for f in ("actions", "ts_ms", "positions")
+    ]
+    k = np.stack([s.k[:n].reshape(n, L, H, K) for s in streams]).astype(np.float32)
+    q = np.stack([s.q[:n].reshape(n, L, H, K) for s in streams]).astype(np.float32)
+    k[1, 3, 0, 0, 0] = np.nan  # user y: rejected
+    k[2, 5] = 0.0  # a zero key: stays zero
+    ids = [s.item_ids[:n] for s in streams]
+    users = ["x", "y", "z"]
+    banks = []
+    for kk, qq in ((k, q), (torch.from_numpy(k).to(device), torch.from_numpy(q).to(device))):
+        bank = NoteBank(small_cfg(), K, CH, seed=0)
+        bank.observe_batch(users, items, ids, *cols, [n, n, n], kk, qq)
+        banks.append(bank)
+        with pytest.raises(ValueError, match="k and q must be"):
+            bank.observe_batch(users, items, ids, *cols, [n, n, n], kk[..., :-1], qq)
+    ref, got = banks
+    assert caplog.text.count("skipped 40 events of user 'y'") == 2
+    assert ref.note_count("y") == got.note_count("y") == 0
+    for u in ("x", "z"):
+        assert ref.note_count(u) > 0
+        assert [m.positions.tolist() for m in got.notes(u)] == [
+            m.positions.tolist() for m in ref.notes(u)
+        ]
+        for a, b in zip(got.notes(u), ref.notes(u), strict=True):
+            np.testing.assert_allclose(a.addresses, b.addresses, rtol=2e-3, atol=2e-3)
+    units, addr, finite = got._units_of_tensors(
+        torch.from_numpy(k).to(device), torch.from_numpy(q).to(device), 3 * n
+    )
+    assert units.dtype == addr.dtype == np.float16 and addr.shape[-1] == len(got.coords)
+    assert finite.tolist() == [i != n + 3 for i in range(3 * n)]
+    assert not units[2 * n + 5].any()  # the zero key
+    want = l2_normalise(k.reshape(3 * n, CH, K)).astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(units[finite].astype(np.float32), want[finite], atol=1e-3)
+
+
 def test_bad_input_is_rejected_without_changing_state():
     bank = NoteBank(small_cfg(), K, CH, seed=0)
     s = make_stream(20, seed=14)
