@@ -80,16 +80,11 @@ def test_groups_split_short_users_off_and_need_a_wide_chunk():
     assert list(narrow) == ["recurrent"] and len(narrow["recurrent"]) == 5
 
 
-@pytest.mark.parametrize("hybrid", ["none", "mac"])
-def test_advance_packed_equals_advance(hybrid):
-    torch.manual_seed(0)
-    mem = MemoryConfig(key_dim=8, value_dim=8, n_blocks=4, horizon=32)
-    model_cfg = ModelConfig(embed_dim=16, hybrid=hybrid, window=6)
-    m = MemoryRecommender(30, 4, mem, model_cfg).double().eval()
-    B = 12
-    lengths = torch.tensor([70, 40, 33, 17, 16, 9, 5, 4, 3, 2, 1, 1])
-    T = int(lengths.max())
-    items = torch.randint(0, 34, (B, T))
+def batch_of(m: MemoryRecommender, lengths: torch.Tensor, n_items: int):  # type: ignore[no-untyped-def]
+    """Right-padded events of users of ``lengths`` and a state with random S, M and
+    positions (on the CPU, in the model's dtype)."""
+    B, T = len(lengths), int(lengths.max())
+    items = torch.randint(0, n_items, (B, T))
     actions = torch.randint(0, 3, (B, T))
     ts = 10**12 + torch.cumsum(torch.randint(0, 10**7, (B, T)), 1)
     state = m.init_state(B, "cpu")
@@ -98,20 +93,36 @@ def test_advance_packed_equals_advance(hybrid):
     assert state.M is not None
     state.M.normal_()
     state.last_ts = ts[:, 0] - 5
-    assert m.packs
-    with torch.no_grad():
-        a = m.advance(items, actions, ts, lengths, state, return_kq=True)
-        b = m.advance_packed(items, actions, ts, lengths, state, return_kq=True)
+    return items, actions, ts, state
+
+
+def assert_packed_equals_padded(b, a, lengths: torch.Tensor, **tol: float) -> None:  # type: ignore[no-untyped-def]
+    """``advance_packed``'s result ``b`` (any device) against ``advance``'s ``a``: states,
+    outputs and (k~, q~), within ``tol``."""
     assert a.kq is not None and b.kq is not None
     for name, x in b.state.to_fields().items():
         want = a.state.to_fields()[name]
         if x is None or not x.is_floating_point():
-            assert (x is None and want is None) or torch.equal(x, want), name
+            assert (x is None and want is None) or torch.equal(x.cpu(), want), name
         else:
-            torch.testing.assert_close(x, want, **TIGHT)
-    torch.testing.assert_close(b.outputs, pack(a.outputs, lengths), **TIGHT)
-    torch.testing.assert_close(b.kq[0], pack(a.kq[0], lengths), **TIGHT)
-    torch.testing.assert_close(b.kq[1], pack(a.kq[1], lengths), **TIGHT)
+            torch.testing.assert_close(x.cpu().to(want.dtype), want, **tol)
+    for got, want in ((b.outputs, a.outputs), *zip(b.kq, a.kq, strict=True)):
+        torch.testing.assert_close(got.cpu().to(want.dtype), pack(want, lengths), **tol)
+
+
+@pytest.mark.parametrize("hybrid", ["none", "mac"])
+def test_advance_packed_equals_advance(hybrid):
+    torch.manual_seed(0)
+    mem = MemoryConfig(key_dim=8, value_dim=8, n_blocks=4, horizon=32)
+    model_cfg = ModelConfig(embed_dim=16, hybrid=hybrid, window=6)
+    m = MemoryRecommender(30, 4, mem, model_cfg).double().eval()
+    lengths = torch.tensor([70, 40, 33, 17, 16, 9, 5, 4, 3, 2, 1, 1])
+    items, actions, ts, state = batch_of(m, lengths, 34)
+    assert m.packs
+    with torch.no_grad():
+        a = m.advance(items, actions, ts, lengths, state, return_kq=True)
+        b = m.advance_packed(items, actions, ts, lengths, state, return_kq=True)
+    assert_packed_equals_padded(b, a, lengths, **TIGHT)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -122,16 +133,7 @@ def test_advance_packed_on_cuda_equals_advance_in_double_on_the_cpu():
     mem = MemoryConfig(key_dim=16, value_dim=16, n_blocks=4, horizon=32)
     m = MemoryRecommender(300, 4, mem, ModelConfig(embed_dim=32)).eval()
     lengths = torch.tensor([90, 40, 33, 17, 16, 9, 5, 4, 3, 2, 1, 1, 0, 1])
-    B, T = len(lengths), int(lengths.max())
-    items = torch.randint(0, 304, (B, T))
-    actions = torch.randint(0, 3, (B, T))
-    ts = 10**12 + torch.cumsum(torch.randint(0, 10**7, (B, T)), 1)
-    state = m.init_state(B, "cpu")
-    state.pos = torch.randint(0, 90, (B,))
-    state.S.normal_()
-    assert state.M is not None
-    state.M.normal_()
-    state.last_ts = ts[:, 0] - 5
+    items, actions, ts, state = batch_of(m, lengths, 304)
     dev = torch.device("cuda")
     gpu = MemoryRecommender(300, 4, mem, ModelConfig(embed_dim=32)).eval()
     gpu.load_state_dict(m.state_dict())
@@ -146,17 +148,7 @@ def test_advance_packed_on_cuda_equals_advance_in_double_on_the_cpu():
             items.to(dev), actions.to(dev), ts.to(dev), lengths.to(dev), state.to(dev),
             return_kq=True,
         )  # fmt: skip
-    assert a.kq is not None and b.kq is not None
-    close = dict(rtol=2e-4, atol=2e-4)
-    for name, x in b.state.to_fields().items():
-        want = a.state.to_fields()[name]
-        if x is None or not x.is_floating_point():
-            assert (x is None and want is None) or torch.equal(x.cpu(), want), name
-        else:
-            torch.testing.assert_close(x.cpu().double(), want, **close)
-    torch.testing.assert_close(b.outputs.cpu().double(), pack(a.outputs, lengths), **close)
-    for got, want in zip(b.kq, a.kq, strict=True):
-        torch.testing.assert_close(got.cpu().double(), pack(want, lengths), **close)
+    assert_packed_equals_padded(b, a, lengths, rtol=2e-4, atol=2e-4)
 
 
 def test_advance_packed_needs_the_uniform_prefix_schedule():
