@@ -60,6 +60,11 @@ def _numpy(x: Any, dtype: Any) -> np.ndarray:
     return np.asarray(x, dtype=dtype)
 
 
+def _on_accelerator(x: Any) -> bool:
+    """Whether ``x`` is a tensor on a device other than the CPU."""
+    return isinstance(x, torch.Tensor) and x.device.type != "cpu"
+
+
 def _on(x: np.ndarray, device: torch.device) -> torch.Tensor:
     """``x`` as a tensor on ``device`` (a view of it on the CPU)."""
     t = torch.from_numpy(x)
@@ -318,9 +323,9 @@ class NoteBank:
                     f"query_dim={self.query_dim}] (or [B, T, L, H, ...], or packed), got "
                     f"{list(k.shape)}, {list(q.shape)}"
                 )
-        if hasattr(k, "detach") and hasattr(q, "detach"):
-            # tensors: normalised where they live, so that only the pending chunks' half
-            # floats (and of q only the address coordinates) leave a GPU
+        if _on_accelerator(k) and _on_accelerator(q):
+            # normalised where they live, so that only the pending chunks' half floats (and
+            # of q only the address coordinates) leave the GPU; on the CPU numpy is as fast
             k_unit, u_unit, finite = self._units_of_tensors(k, q, N)
         else:
             k_a = _numpy(k, np.float32).reshape(N, -1, self.key_dim)

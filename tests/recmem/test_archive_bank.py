@@ -287,8 +287,8 @@ def test_observe_batch_matches_per_user_observe():
     ],
 )
 def test_observe_batch_on_tensors_equals_it_on_numpy_arrays(caplog, device):
-    """Tensors are normalised where they live (``_units_of_tensors``); numpy arrays by
-    ``l2_normalise``: the same notes, the same pending units within half-float rounding, a
+    """Tensors on a GPU are normalised there (``_units_of_tensors``, also called directly
+    here on the CPU); numpy arrays and CPU tensors by ``l2_normalise``: the same notes, the same pending units within half-float rounding, a
     user with a non-finite key skipped on both, a malformed k refused on both."""
     streams = [make_stream(40, seed=s, planted=(7,)) for s in (21, 22, 23)]
     n = 40
