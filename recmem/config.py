@@ -161,9 +161,9 @@ class StateConfig:
     fp32 rounding (docs/ingest.md, "The packed step"). off = one ``advance`` per piece
     (``length_buckets``; for A/B); auto = on for the CPU path, off on the GPU (there the
     memory scan runs on right-padded groups on the Triton kernel; 8 members on one H200
-    ingested less with it on, docs/ingest.md). Needs the
-    uniform schedule in prefix order (``memory.unlock`` = uniform, ``memory.block_order`` =
-    prefix) and ``memory.backend`` = auto; other models run ``advance`` per piece."""
+    ingested less with it on, docs/ingest.md). Needs the uniform schedule in prefix order
+    (``memory.unlock`` = uniform, ``memory.block_order`` = prefix) and ``memory.backend`` =
+    auto; other models run ``advance`` per piece."""
     compile_step: str = "off"
     """Engine step: on = the packed step's projections, feed-forward blocks and chunk
     algebra run as torch.compile graphs (models/memory/compiled.py: one graph per function

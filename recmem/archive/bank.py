@@ -4,6 +4,7 @@ time (SPEC section 5; docs/archive.md has the design decisions)."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,10 @@ def _numpy(x: Any, dtype: Any) -> np.ndarray:
             x = x.float()  # numpy has no bfloat16
         x = x.numpy()
     return np.asarray(x, dtype=dtype)
+
+
+_PENDING_TORCH = torch.from_numpy(np.zeros(0, PENDING_DTYPE)).dtype
+"""``PENDING_DTYPE`` as a torch dtype."""
 
 
 def _on_accelerator(x: Any) -> bool:
@@ -316,8 +321,10 @@ class NoteBank:
         if not packed:
             valid = np.arange(T)[None, :] < lens[:, None]
             k, q = _valid_cells(k, valid), _valid_cells(q, valid)
+        # sequences as arrays (tensors stay where they are), then one size check for both paths
+        k, q = (x if isinstance(x, torch.Tensor) else _numpy(x, np.float32) for x in (k, q))
         for x, dim in ((k, self.key_dim), (q, self.query_dim)):
-            if int(np.prod(x.shape)) != N * self.n_channels * dim:
+            if math.prod(x.shape) != N * self.n_channels * dim:
                 raise ValueError(
                     f"k and q must be [B, T, {self.n_channels}, K={self.key_dim} | "
                     f"query_dim={self.query_dim}] (or [B, T, L, H, ...], or packed), got "
@@ -365,11 +372,10 @@ class NoteBank:
         coords = self._coords_on.get(q32.device)
         if coords is None:
             coords = self._coords_on[q32.device] = torch.as_tensor(self.coords, device=q32.device)
-        half = torch.from_numpy(np.zeros(0, PENDING_DTYPE)).dtype
 
         def unit(x: torch.Tensor) -> torch.Tensor:
             norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-            return torch.where(norm > NORM_EPS, x / norm, 0.0).to(half)
+            return torch.where(norm > NORM_EPS, x / norm, 0.0).to(_PENDING_TORCH)
 
         return unit(k32).cpu().numpy(), unit(q32[..., coords]).cpu().numpy(), finite.cpu().numpy()
 

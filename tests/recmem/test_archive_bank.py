@@ -288,8 +288,9 @@ def test_observe_batch_matches_per_user_observe():
 )
 def test_observe_batch_on_tensors_equals_it_on_numpy_arrays(caplog, device):
     """Tensors on a GPU are normalised there (``_units_of_tensors``, also called directly
-    here on the CPU); numpy arrays and CPU tensors by ``l2_normalise``: the same notes, the same pending units within half-float rounding, a
-    user with a non-finite key skipped on both, a malformed k refused on both."""
+    here on the CPU); numpy arrays and CPU tensors by ``l2_normalise``: the same notes, the
+    same pending units within half-float rounding, a user with a non-finite key skipped on
+    both, a malformed k refused on both."""
     streams = [make_stream(40, seed=s, planted=(7,)) for s in (21, 22, 23)]
     n = 40
     items = np.stack([s.items[:n] for s in streams])
@@ -327,6 +328,20 @@ def test_observe_batch_on_tensors_equals_it_on_numpy_arrays(caplog, device):
     assert not units[2 * n + 5].any()  # the zero key
     want = l2_normalise(k.reshape(3 * n, CH, K)).astype(np.float16).astype(np.float32)
     np.testing.assert_allclose(units[finite].astype(np.float32), want[finite], atol=1e-3)
+
+
+def test_observe_batch_takes_packed_keys_as_sequences():
+    s = make_stream(40, seed=24, planted=(7,))
+    args = (["a"], s.items[None, :40], [s.item_ids[:40]], s.actions[None, :40])
+    rest = (s.ts_ms[None, :40], s.positions[None, :40], [40])
+    k, q = (x[:40].reshape(40, CH, K) for x in (s.k, s.q))
+    ref, seq = NoteBank(small_cfg(), K, CH, seed=0), NoteBank(small_cfg(), K, CH, seed=0)
+    assert ref.observe_batch(*args, *rest, k, q, packed=True) > 0
+    assert seq.observe_batch(*args, *rest, k.tolist(), q.tolist(), packed=True) == ref.note_count(
+        "a"
+    )
+    for a, b in zip(seq.notes("a"), ref.notes("a"), strict=True):
+        np.testing.assert_array_equal(a.addresses, b.addresses)
 
 
 def test_bad_input_is_rejected_without_changing_state():
